@@ -1,0 +1,1 @@
+"""Drafters: DFlash (block diffusion, z-lab format) and their checkpoint loaders."""

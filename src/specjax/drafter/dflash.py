@@ -1,0 +1,122 @@
+"""DFlash drafter forward: fused target context injected as extra K/V, non-causal block attention.
+
+Two pure functions over the drafter's own paged K/V (same page tables and slots as the target, one pool per
+drafter layer):
+
+* `observe`  projects target hidden-state taps of ACCEPTED positions (fc -> hidden_norm -> k/v per layer) and
+  writes them into the drafter pages.  Rejected positions are never written (the "sequence-length inflation"
+  bug of tpu-inference #1869 cannot happen: the caller passes slot -1 for them).
+* `propose`  runs the block [bonus, MASK x (Q-1)] at positions s..s+Q-1.  Queries come from the block only;
+  keys are the cached context (positions < s) plus the block itself, with no causal mask.  Block K/V are never
+  stored, so there is nothing to roll back.  Slot k predicts the token AT position s+k (same-position labels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import DrafterConfig
+from specjax.model.attention import gather_pages, write_pages
+from specjax.model.layers import apply_rope, grouped_attention, rms_norm, rope_cos_sin, swiglu
+from specjax.model.target import KVPages
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DrafterLayer:
+    attn_norm: jax.Array  # [H]
+    w_q: jax.Array  # [H, N * Dh]
+    w_kv: jax.Array  # [H, 2 * K * Dh]: k and v fused (shared by context rows and block rows)
+    q_norm: jax.Array  # [Dh]
+    k_norm: jax.Array  # [Dh]
+    w_o: jax.Array  # [N * Dh, H]
+    mlp_norm: jax.Array  # [H]
+    w_gate_up: jax.Array  # [H, 2F]
+    w_down: jax.Array  # [F, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DFlashWeights:
+    fc: jax.Array  # [C * Ht, H]: fuses the C concatenated target taps
+    hidden_norm: jax.Array  # [H]
+    layers: tuple[DrafterLayer, ...]
+    norm: jax.Array  # [H]
+    mask_embedding: jax.Array | None  # [H] drafter-owned mask embedding, or None (use embed[mask_token_id])
+
+
+def fuse_context(weights: DFlashWeights, cfg: DrafterConfig, taps: jax.Array) -> jax.Array:
+    """ctx_feat = hidden_norm(concat(taps) @ fc): computed once per token, shared by every layer.  [..., H]"""
+    return rms_norm(taps @ weights.fc, weights.hidden_norm, cfg.rms_norm_eps)
+
+
+def layer_kv(layer: DrafterLayer, cfg: DrafterConfig, x: jax.Array, cos, sin):
+    """K (k_norm + RoPE) and V of rows x [B, T, H] -> ([B, T, K, Dh], [B, T, K, Dh])."""
+    b, t, _ = x.shape
+    k, v = jnp.split(x @ layer.w_kv, 2, axis=-1)
+    k = rms_norm(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
+    return apply_rope(k, cos, sin), v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+
+
+def observe(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, taps: jax.Array, positions: jax.Array,
+            slots: jax.Array) -> KVPages:
+    """Append context K/V for tapped rows taps [B, C, F*Ht] at `positions`/`slots` [B, C] (slot -1 = skip)."""
+    ctx = fuse_context(weights, cfg, taps)  # [B, C, H]
+    cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
+    new_k, new_v = [], []
+    for i, layer in enumerate(weights.layers):
+        k, v = layer_kv(layer, cfg, ctx, cos, sin)
+        new_k.append(write_pages(dkv.k[i], slots, k))
+        new_v.append(write_pages(dkv.v[i], slots, v))
+    return KVPages(k=tuple(new_k), v=tuple(new_v))
+
+
+def block_embeddings(weights: DFlashWeights, cfg: DrafterConfig, embed: jax.Array, bonus: jax.Array,
+                     block_size: int) -> jax.Array:
+    """Embeddings of [bonus, MASK x (Q-1)] -> [B, Q, H] (target table; drafter-owned mask row if it has one)."""
+    b = bonus.shape[0]
+    x = embed[jnp.concatenate([bonus[:, None], jnp.full((b, block_size - 1), cfg.mask_token_id, bonus.dtype)], 1)]
+    if weights.mask_embedding is not None:
+        is_mask = (jnp.arange(block_size) > 0)[None, :, None]
+        x = jnp.where(is_mask, weights.mask_embedding.astype(x.dtype), x)
+    return x
+
+
+def block_hidden(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, x: jax.Array, block_pos: jax.Array,
+                 context_lens: jax.Array, page_table: jax.Array) -> jax.Array:
+    """Drafter stack over block rows x [B, Q, H] at block_pos [B, Q]; context = cached rows < context_lens [B].
+
+    Returns final-normed hidden states [B, Q, H].
+    """
+    b, q_len, _ = x.shape
+    cos, sin = rope_cos_sin(block_pos, jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
+    num_ctx = page_table.shape[1] * dkv.page_size
+    ctx_visible = jnp.arange(num_ctx)[None, :] < context_lens[:, None]  # [B, S]
+    visible = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None, :], (b, q_len, num_ctx)),
+                               jnp.ones((b, q_len, q_len), bool)], axis=-1)  # [B, Q, S + Q]: non-causal
+    for i, layer in enumerate(weights.layers):
+        xn = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+        q = rms_norm((xn @ layer.w_q).reshape(b, q_len, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        kb, vb = layer_kv(layer, cfg, xn, cos, sin)
+        k = jnp.concatenate([gather_pages(dkv.k[i], page_table), kb], axis=1)  # [B, S + Q, K, Dh]
+        v = jnp.concatenate([gather_pages(dkv.v[i], page_table), vb], axis=1)
+        o = grouped_attention(q, k, v, visible, cfg.head_dim ** -0.5)
+        x = x + o.reshape(b, q_len, -1) @ layer.w_o
+        x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
+    return rms_norm(x, weights.norm, cfg.rms_norm_eps)
+
+
+def propose_logits(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array,
+                   output_head: jax.Array, bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array,
+                   num_draft_tokens: int, block_size: int) -> jax.Array:
+    """Logits [B, K, V] of block slots 1..K through the TARGET's output head.  bonus sits at position
+    context_lens (= s, the number of positions already in the drafter context)."""
+    block_pos = context_lens[:, None] + jnp.arange(block_size)[None, :]  # [B, Q]
+    x = block_embeddings(weights, cfg, embed, bonus, block_size)
+    h = block_hidden(weights, cfg, dkv, x, block_pos, context_lens, page_table)
+    return jnp.einsum("bkd,dv->bkv", h[:, 1:1 + num_draft_tokens], output_head,
+                      preferred_element_type=jnp.float32)

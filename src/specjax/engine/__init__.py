@@ -1,0 +1,1 @@
+"""Host-side engine: sequences, buckets, jitted step functions and the scheduler loop."""

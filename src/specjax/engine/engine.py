@@ -1,0 +1,297 @@
+"""LLMEngine: requests in, tokens out.  Host bookkeeping around the jitted steps in engine/runner.py.
+
+step() = schedule (admit waiting requests by free pages) -> prefill chunks of newly admitted requests, or one
+speculative decode step for every running request -> commit tokens, check stop conditions, free pages.  When
+the pool runs out the most recently admitted request is preempted (pages freed, recomputed later); seeds are
+tied to positions, so recomputation reproduces the same tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ConfigError, EngineConfig, ModelConfig
+from specjax.engine import runner
+from specjax.engine.buckets import pick_bucket, pow2_buckets
+from specjax.engine.sequence import Sequence, Status
+from specjax.kv.allocator import OutOfPages, PageAllocator
+from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages
+from specjax.sampling import SamplingParams, sampler_mode
+from specjax.spec.proposer import NoProposer
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request cannot be served as given (too long, empty, out-of-vocabulary ids...)."""
+
+
+@dataclass
+class StepOutput:
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class LLMEngine:
+    def __init__(self, tcfg: ModelConfig, tweights: TargetWeights, proposer=None, pweights=None,
+                 config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
+        self.tcfg, self.tweights = tcfg, tweights
+        self.proposer = proposer or NoProposer()
+        self.pweights = pweights
+        self.config = config = config or EngineConfig()
+        if config.max_model_len > tcfg.max_position_embeddings:
+            raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's "
+                              f"max_position_embeddings={tcfg.max_position_embeddings}")
+        k = self.proposer.max_draft_tokens if config.num_draft_tokens is None else config.num_draft_tokens
+        if k > self.proposer.max_draft_tokens:
+            raise ConfigError(f"num_draft_tokens={k} exceeds what {self.proposer.name} can draft "
+                              f"({self.proposer.max_draft_tokens}; block_size - 1 for dflash)")
+        self.num_draft = k
+        if config.pool_pages < config.max_pages_per_seq + 1:
+            raise ConfigError(f"num_pages={config.pool_pages} cannot hold one {config.max_model_len}-token sequence "
+                              f"({config.max_pages_per_seq} pages of {config.page_size} + the scratch page)")
+        self.eos_token_ids = tuple(eos_token_ids) or tcfg.eos_token_ids
+        self.allocator = PageAllocator(config.pool_pages, config.page_size)
+        dtype = tweights.embed.dtype
+        self.kv = init_kv_pages(tcfg.num_layers, config.pool_pages, config.page_size, tcfg.num_kv_heads,
+                                tcfg.head_dim, dtype)
+        self.pstate = self.proposer.init_state(config.pool_pages, config.page_size, dtype)
+        self.batch_buckets = pow2_buckets(1, config.max_num_seqs)
+        self.page_buckets = pow2_buckets(1, config.max_pages_per_seq)
+        self.prefill_buckets = pow2_buckets(min(config.min_prefill_bucket, config.prefill_chunk), config.prefill_chunk)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
+        self.next_id = 0
+        self.rng = np.random.default_rng(seed)
+        self.num_steps = {"prefill": 0, "decode": 0}
+
+    # ------------------------------------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.tcfg.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.tcfg.vocab_size})")
+        if len(prompt_ids) >= self.config.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context holds "
+                               f"max_model_len={self.config.max_model_len} (prompt + at least one new token)")
+        seed = params.seed if params.seed is not None else int(self.rng.integers(0, 2**31 - 1))
+        seq = Sequence(self.next_id, prompt_ids, params, seed=seed % (2**31 - 1))
+        self.next_id += 1
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> None:
+        """Cancel a request; its pages return to the pool at once."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.is_finished:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------------------------ stepping
+    def step(self) -> list[StepOutput]:
+        self._admit()
+        prefilling = [s for s in self.running if s.is_prefilling]
+        if prefilling:
+            return self._prefill(prefilling)
+        if self.running:
+            return self._decode()
+        if self.waiting:
+            raise RuntimeError("waiting requests cannot be admitted although nothing is running (pool too small)")
+        return []
+
+    def generate(self, prompts, params=None, on_step=None) -> list[Sequence]:
+        """Run requests to completion; `on_step(outputs)` sees every step's new tokens (for streaming)."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while any(not self.seqs[i].is_finished for i in ids):
+            outputs = self.step()
+            if on_step is not None:
+                on_step(outputs)
+        return [self.seqs[i] for i in ids]
+
+    # ------------------------------------------------------------------------------------------------ schedule
+    def _step_tokens(self, seq: Sequence) -> int:
+        """KV capacity (tokens) a running sequence needs for its next decode step."""
+        return min(seq.num_tokens + self.num_draft, self.config.max_model_len)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            need = min(seq.prefill_len + 1 + self.num_draft, self.config.max_model_len)
+            reserve = sum(max(0, self.allocator.pages_for(self._step_tokens(s)) - len(self.allocator.pages_of(
+                s.seq_id))) for s in self.running)
+            if self.allocator.pages_for(need) + reserve > self.allocator.num_free:
+                break
+            self.allocator.grow(seq.seq_id, need)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+
+    def _preempt(self, victim: Sequence) -> None:
+        log.info("preempting request %d (pool exhausted)", victim.seq_id)
+        self.running.remove(victim)
+        self.allocator.free(victim.seq_id)
+        victim.num_cached = 0
+        victim.status = Status.WAITING
+        victim.stats.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` pages for num_tokens, preempting the youngest other requests if needed."""
+        while True:
+            try:
+                self.allocator.grow(seq.seq_id, num_tokens)
+                return True
+            except OutOfPages:
+                victims = [s for s in self.running if s is not seq]
+                if not victims:
+                    raise
+                self._preempt(victims[-1])
+                if seq not in self.running:
+                    return False
+
+    # ------------------------------------------------------------------------------------------------ inputs
+    def _page_table(self, seqs: list[Sequence], batch: int, num_tokens: int) -> np.ndarray:
+        pg = pick_bucket(self.allocator.pages_for(num_tokens), self.page_buckets)
+        table = np.zeros((batch, pg), np.int32)  # padding -> scratch page 0
+        for i, s in enumerate(seqs):
+            pages = self.allocator.pages_of(s.seq_id)[:pg]
+            table[i, :len(pages)] = pages
+        return table
+
+    def _slots(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
+        """Flat KV slots of `positions` for `seq` (-1 where it owns no page)."""
+        pages = np.asarray(self.allocator.pages_of(seq.seq_id), np.int64)
+        if not len(pages):
+            return np.full(positions.shape, -1, np.int32)
+        z = self.config.page_size
+        page_idx = positions // z
+        ok = (positions >= 0) & (page_idx < len(pages))
+        slots = np.where(ok, pages[np.minimum(page_idx, len(pages) - 1)] * z + positions % z, -1)
+        return slots.astype(np.int32)
+
+    def _sampling(self, seqs: list[Sequence], batch: int) -> runner.SamplingBatch:
+        pad = batch - len(seqs)
+        return runner.SamplingBatch(
+            temperature=jnp.asarray([s.params.temperature for s in seqs] + [0.0] * pad, jnp.float32),
+            top_k=jnp.asarray([s.params.top_k for s in seqs] + [0] * pad, jnp.int32),
+            top_p=jnp.asarray([s.params.top_p for s in seqs] + [1.0] * pad, jnp.float32),
+            seeds=jnp.asarray([s.seed for s in seqs] + [0] * pad, jnp.int32),
+        )
+
+    # ------------------------------------------------------------------------------------------------ prefill
+    def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
+        seqs = seqs[: self.config.max_num_seqs]
+        chunks = [seq.all_ids[seq.num_cached:min(seq.prefill_len, seq.num_cached + self.config.prefill_chunk)]
+                  for seq in seqs]
+        t = pick_bucket(max(len(c) for c in chunks), self.prefill_buckets)
+        b = pick_bucket(len(seqs), self.batch_buckets)
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.zeros((b, t), np.int32)
+        slots = np.full((b, t), -1, np.int32)
+        last_index = np.zeros((b,), np.int32)
+        for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
+            n = len(chunk)
+            tokens[i, :n] = chunk
+            positions[i, :n] = np.arange(seq.num_cached, seq.num_cached + n)
+            slots[i, :n] = self._slots(seq, positions[i, :n])
+            last_index[i] = n - 1
+        table = self._page_table(seqs, b, max(s.num_cached + len(c) for s, c in zip(seqs, chunks)))
+        batch = ForwardBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(table))
+        first, self.kv, self.pstate = runner.prefill_step(
+            self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.asarray(last_index),
+            self._sampling(seqs, b), tcfg=self.tcfg, proposer=self.proposer,
+            mode=sampler_mode([s.params for s in seqs]))
+        first = np.asarray(first)
+        self.num_steps["prefill"] += 1
+        outputs = []
+        for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
+            seq.num_cached += len(chunk)
+            if seq.is_prefilling or seq.output_ids:  # more chunks to go, or recomputing after preemption
+                continue
+            seq.first_token_time = time.perf_counter()
+            outputs.append(self._commit(seq, [int(first[i])]))
+        return outputs
+
+    # ------------------------------------------------------------------------------------------------ decode
+    def _decode(self) -> list[StepOutput]:
+        k = self.num_draft
+        for seq in list(self.running):
+            if seq in self.running:
+                self._grow_or_preempt(seq, self._step_tokens(seq))
+        seqs = list(self.running)
+        b = pick_bucket(len(seqs), self.batch_buckets)
+        bonus = np.zeros((b,), np.int32)
+        start = np.zeros((b,), np.int32)
+        slots = np.full((b, k + 1), -1, np.int32)
+        num_drafts = np.zeros((b,), np.int32)
+        host_drafts = np.zeros((b, k), np.int32)
+        for i, seq in enumerate(seqs):
+            bonus[i], start[i] = seq.output_ids[-1], seq.start
+            slots[i] = self._slots(seq, seq.start + np.arange(k + 1))
+            room = self.config.max_model_len - seq.num_tokens - 1  # drafts beyond this could not be stored
+            num_drafts[i] = max(0, min(k, seq.params.max_new_tokens - len(seq.output_ids) - 1, room))
+            if not self.proposer.on_device and num_drafts[i]:
+                proposal = self.proposer.host_propose(seq.all_ids, int(num_drafts[i]))[: num_drafts[i]]
+                host_drafts[i, :len(proposal)] = proposal
+                num_drafts[i] = len(proposal)
+        table = self._page_table(seqs, b, max(self._step_tokens(s) for s in seqs))
+        inputs = runner.DecodeBatch(jnp.asarray(bonus), jnp.asarray(start), jnp.asarray(slots), jnp.asarray(table),
+                                    jnp.asarray(num_drafts), jnp.asarray(host_drafts))
+        num_accepted, tokens, _, self.kv, self.pstate = runner.decode_step(
+            self.tweights, self.kv, self.pweights, self.pstate, inputs, self._sampling(seqs, b), tcfg=self.tcfg,
+            proposer=self.proposer, num_draft=k, mode=sampler_mode([s.params for s in seqs]))
+        num_accepted, tokens = np.asarray(num_accepted), np.asarray(tokens)
+        self.num_steps["decode"] += 1
+        outputs = []
+        for i, seq in enumerate(seqs):
+            a = int(num_accepted[i])
+            seq.stats.record(int(num_drafts[i]), a)
+            seq.num_cached = seq.start + a + 1  # old bonus + accepted drafts; the new bonus has no K/V yet
+            outputs.append(self._commit(seq, [int(t) for t in tokens[i, :a + 1]]))
+        return outputs
+
+    # ------------------------------------------------------------------------------------------------ commit
+    def _commit(self, seq: Sequence, new_ids: list[int]) -> StepOutput:
+        """Append tokens up to the first stop condition; finish the sequence if one is met."""
+        stop = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(self.eos_token_ids))
+        kept, reason = [], None
+        for tok in new_ids:
+            kept.append(tok)
+            seq.output_ids.append(tok)
+            if tok in stop:
+                reason = "stop"
+            elif len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.config.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        if reason:
+            self.running.remove(seq)
+            self._finish(seq, reason)
+        return StepOutput(seq.seq_id, kept, reason is not None, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        self.allocator.free(seq.seq_id)

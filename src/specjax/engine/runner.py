@@ -1,0 +1,79 @@
+"""Jitted step functions (module level, static configs, donated caches): prefill and speculative decode.
+
+Both serve every method: the proposer is a static, hashable argument (spec/proposer.py) and plain decoding
+is the NoProposer with K = 0.  One decode step = propose K drafts -> verify [bonus, drafts] in one target
+forward -> accept on the device -> let the proposer observe the accepted rows.  The host syncs once per step
+to read (num_accepted, tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig
+from specjax.model import target as tgt
+from specjax.spec.verify import accept
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingBatch:
+    temperature: jax.Array  # [B] float32 (0 = greedy)
+    top_k: jax.Array  # [B] int32 (0 = off)
+    top_p: jax.Array  # [B] float32
+    seeds: jax.Array  # [B] int32
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DecodeBatch:
+    bonus: jax.Array  # [B] last committed token, at position `start`, not yet in the KV cache
+    start: jax.Array  # [B] its position (= number of tokens already in the target KV cache)
+    slots: jax.Array  # [B, K + 1] KV slots of positions start .. start + K (-1 = beyond capacity / padding)
+    page_table: jax.Array  # [B, Pg]
+    num_drafts: jax.Array  # [B] drafts each sequence may accept (<= K)
+    host_drafts: jax.Array  # [B, K] drafts from a host proposer (ignored by device proposers)
+
+
+@partial(jax.jit, static_argnames=("tcfg", "proposer", "mode"), donate_argnames=("kv", "pstate"))
+def prefill_step(tw, kv, pw, pstate, batch: tgt.ForwardBatch, last_index, sampling: SamplingBatch, *,
+                 tcfg: ModelConfig, proposer, mode: str):
+    """Run prompt chunks [B, T]; sample the token after each row's `last_index` (used only for final chunks).
+
+    Returns (first_tokens [B], kv, pstate).
+    """
+    hidden, taps, kv = tgt.forward(tw, kv, batch, tcfg, proposer.tap_indices)
+    last_hidden = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)  # [B, 1, D]
+    last_pos = jnp.take_along_axis(batch.positions, last_index[:, None], axis=1)[:, 0]  # [B]
+    no_drafts = jnp.zeros((hidden.shape[0], 0), jnp.int32)
+    _, tokens = accept(tgt.logits(tw, last_hidden), no_drafts, jnp.zeros_like(last_pos), last_pos,
+                       sampling.temperature, sampling.top_k, sampling.top_p, sampling.seeds, mode)
+    pstate = proposer.observe(pw, pstate, taps, batch.positions, batch.slots)
+    return tokens[:, 0], kv, pstate
+
+
+@partial(jax.jit, static_argnames=("tcfg", "proposer", "num_draft", "mode"), donate_argnames=("kv", "pstate"))
+def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch, *, tcfg: ModelConfig,
+                proposer, num_draft: int, mode: str):
+    """One speculative step for the whole batch.  Returns (num_accepted [B], tokens [B, K+1], drafts [B, K],
+    kv, pstate); the step commits tokens[:, :num_accepted + 1]."""
+    if num_draft == 0:
+        drafts = jnp.zeros((inputs.bonus.shape[0], 0), jnp.int32)
+    elif proposer.on_device:
+        drafts = proposer.propose(pw, pstate, tw, inputs.bonus, inputs.start, inputs.page_table, num_draft)
+    else:
+        drafts = inputs.host_drafts
+    block = jnp.concatenate([inputs.bonus[:, None], drafts], axis=1)  # [B, K + 1]
+    positions = inputs.start[:, None] + jnp.arange(num_draft + 1)[None, :]
+    batch = tgt.ForwardBatch(block, positions, inputs.slots, inputs.page_table)
+    hidden, taps, kv = tgt.forward(tw, kv, batch, tcfg, proposer.tap_indices)
+    num_accepted, tokens = accept(tgt.logits(tw, hidden), drafts, inputs.num_drafts, inputs.start,
+                                  sampling.temperature, sampling.top_k, sampling.top_p, sampling.seeds, mode)
+    # Only the rows now part of the sequence (the old bonus and the accepted drafts) become proposer context.
+    kept = jnp.arange(num_draft + 1)[None, :] <= num_accepted[:, None]
+    pstate = proposer.observe(pw, pstate, taps, positions, jnp.where(kept, inputs.slots, -1))
+    return num_accepted, tokens, drafts, kv, pstate

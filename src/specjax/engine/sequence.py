@@ -1,0 +1,84 @@
+"""Per-request host state: tokens, KV progress, sampling parameters, acceptance statistics and timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from specjax.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SequenceStats:
+    acceptance_lengths: list[int] = field(default_factory=list)  # tau of every decode step (bonus counted)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k-1]: steps where draft k was accepted
+    drafted_per_position: list[int] = field(default_factory=list)  # [k-1]: steps where draft k was proposed
+    num_preemptions: int = 0
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.acceptance_lengths.append(num_accepted + 1)
+        self.num_drafted += num_drafts
+        self.num_accepted += num_accepted
+        grow = num_drafts - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for k in range(num_drafts):
+            self.drafted_per_position[k] += 1
+            self.accepted_per_position[k] += int(num_accepted > k)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # positions whose K/V (target and proposer) are valid
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stats: SequenceStats = field(default_factory=SequenceStats)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens that must be in the KV cache before decoding: the prompt, or (after preemption) everything
+        but the last output token, which is the pending bonus of the next step."""
+        return len(self.prompt_ids) if not self.output_ids else self.num_tokens - 1
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_cached < self.prefill_len
+
+    @property
+    def start(self) -> int:
+        """Position of the pending bonus token (the last output token)."""
+        return self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

@@ -1,0 +1,1 @@
+"""KV page ownership on the host."""

@@ -1,0 +1,54 @@
+"""Stateless math shared by the target and the drafters: RMSNorm, RoPE, SwiGLU, grouped attention."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Finite "minus infinity": a fully masked row (padding query) softmaxes to uniform garbage instead of NaN.
+MASK_VALUE = -1e30
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 (HF semantics: normalise, cast, then scale)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables for integer `positions` [...] -> [..., head_dim] (rotate-half layout: halves repeated)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [..., H]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [..., T, heads, H] by cos/sin [..., T, H] (NeoX / HF rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) with the gate and up projections fused into one [D, 2F] matmul."""
+    gate_up = x @ w_gate_up  # [..., 2F]
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ w_down
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> jax.Array:
+    """Softmax attention with GQA grouping.
+
+    q: [B, T, N, H]; k, v: [B, S, K, H]; visible: [B, T, S] bool.  Returns [B, T, N, H].
+    Query head n uses KV head n // (N / K), as in HF `repeat_kv`.
+    """
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)  # [B, T, K, G, H]
+    return out.reshape(b, t, n, h)

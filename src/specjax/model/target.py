@@ -1,0 +1,142 @@
+"""Target decoder (Llama / Qwen2 / Qwen3) as pure functions over registered dataclass pytrees.
+
+One forward serves prefill and verification: a batch of sequences, each with a run of T new tokens at given
+absolute positions, writes its K/V into the paged cache and returns the final hidden states plus the hidden
+states at requested `output_hidden_states` indices (0 = embeddings, i = OUTPUT of decoder layer i - 1, before
+the final norm).  Layers are unrolled over per-layer arrays: on XLA:CPU this is ~2x faster than lax.scan over
+stacked weights at decode shapes (see ../shared/docs/assets.md §9.3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig
+from specjax.model.attention import paged_attention, write_pages
+from specjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TargetLayer:
+    attn_norm: jax.Array  # [D]
+    w_qkv: jax.Array  # [D, (N + 2K) * H]: q, k, v projections fused
+    b_qkv: jax.Array | None  # [(N + 2K) * H] (Qwen2) or None
+    q_norm: jax.Array | None  # [H] (Qwen3) or None
+    k_norm: jax.Array | None  # [H] (Qwen3) or None
+    w_o: jax.Array  # [N * H, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate_up: jax.Array  # [D, 2F]: gate and up fused
+    w_down: jax.Array  # [F, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TargetWeights:
+    embed: jax.Array  # [V, D]
+    layers: tuple[TargetLayer, ...]
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None  # [D, V], or None when tied to `embed`
+
+    @property
+    def output_head(self) -> jax.Array:
+        """[D, V] view of the LM head (the embedding transposed when tied)."""
+        return self.embed.T if self.lm_head is None else self.lm_head
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVPages:
+    """Paged K/V pools, one [P, Z, K, H] array per layer (see model/attention.py for the layout)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+
+def init_kv_pages(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                  dtype=jnp.float32) -> KVPages:
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return KVPages(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Device inputs of one forward: B sequences x T new tokens (all int32)."""
+
+    tokens: jax.Array  # [B, T]
+    positions: jax.Array  # [B, T] absolute positions
+    slots: jax.Array  # [B, T] flat KV slot per token (-1 = padding, not written)
+    page_table: jax.Array  # [B, Pg] pages in logical order (padding entries -> scratch page 0)
+
+
+def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, batch: ForwardBatch, cos, sin):
+    """Pre-norm attention of one layer.  Writes the new K/V, then attends over the pages.  x: [B, T, D]."""
+    b, t, _ = x.shape
+    xn = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+    qkv = xn @ layer.w_qkv  # [B, T, (N + 2K) * H]
+    if layer.b_qkv is not None:
+        qkv = qkv + layer.b_qkv
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if layer.q_norm is not None:
+        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_pool = write_pages(k_pool, batch.slots, k)
+    v_pool = write_pages(v_pool, batch.slots, v)
+    o = paged_attention(q, k_pool, v_pool, batch.page_table, batch.positions, cfg.head_dim ** -0.5)
+    return x + o.reshape(b, t, cfg.q_size) @ layer.w_o, k_pool, v_pool
+
+
+def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: ModelConfig,
+            tap_indices: tuple[int, ...] = ()):
+    """Run the decoder over a ragged batch.
+
+    Returns (hidden [B, T, D] after the final norm, taps [B, T, len(tap_indices) * D] or None, new kv).
+    """
+    x = weights.embed[batch.tokens]  # [B, T, D]
+    cos, sin = rope_cos_sin(batch.positions, jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
+    taps = {0: x} if 0 in tap_indices else {}
+    new_k, new_v = [], []
+    for i, layer in enumerate(weights.layers):
+        x, k_pool, v_pool = attention_block(layer, cfg, x, kv.k[i], kv.v[i], batch, cos, sin)
+        x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
+        new_k.append(k_pool)
+        new_v.append(v_pool)
+        if i + 1 in tap_indices:
+            taps[i + 1] = x
+    hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    tapped = jnp.concatenate([taps[i] for i in tap_indices], axis=-1) if tap_indices else None
+    return hidden, tapped, KVPages(k=tuple(new_k), v=tuple(new_v))
+
+
+def logits(weights: TargetWeights, hidden: jax.Array) -> jax.Array:
+    """LM head: hidden [..., D] -> float32 logits [..., V]."""
+    if weights.lm_head is None:
+        return jnp.einsum("...d,vd->...v", hidden, weights.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, weights.lm_head, preferred_element_type=jnp.float32)
+
+
+def cast_weights(weights, dtype):
+    """Cast every floating leaf of a weights pytree to `dtype`."""
+    return jax.tree_util.tree_map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, weights)
+
+
+def replace(obj, **changes):
+    return dataclasses.replace(obj, **changes)

@@ -1,0 +1,106 @@
+"""Sampling parameters (host, validated) and the on-device sampler (temperature, top-k, top-p, explicit keys).
+
+Randomness is a pure function of (request seed, absolute position of the sampled token): the key for the token
+at position p is fold_in(PRNGKey(seed), p).  No key is carried as hidden state, outputs do not depend on how
+requests are batched, and a seeded request samples the same token at the same position whichever method
+(plain decoding or any speculative method) produced the prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+# Static sampler variants: chosen per step on the host so greedy batches never pay for sorting the vocabulary.
+GREEDY, SAMPLE, SAMPLE_FILTERED = "greedy", "sample", "sample_filtered"
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    max_new_tokens: int = 256
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise SamplingError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise SamplingError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def needs_filter(self) -> bool:
+        return (self.top_k > 1) or self.top_p < 1
+
+
+def sampler_mode(params: list[SamplingParams]) -> str:
+    """The cheapest static sampler variant that serves every request of a batch."""
+    if all(p.is_greedy for p in params):
+        return GREEDY
+    return SAMPLE_FILTERED if any(p.needs_filter and not p.is_greedy for p in params) else SAMPLE
+
+
+def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Temperature-scaled logits with tokens outside top-k / the top-p nucleus set to -inf.
+
+    logits [..., V]; temperature, top_k, top_p broadcast against logits[..., 0].  The nucleus keeps the smallest
+    set of highest-probability tokens whose mass reaches top_p (a token is kept if the mass strictly above it is
+    < top_p), the convention of HF and the reference `dflash` package.
+    """
+    x = logits / jnp.where(temperature > 0, temperature, 1.0)[..., None]
+    sorted_desc = -jnp.sort(-x, axis=-1)  # [..., V]
+    vocab = x.shape[-1]
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[..., None], axis=-1)  # [..., 1]
+    sorted_desc = jnp.where(sorted_desc >= kth, sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_above = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_above < top_p[..., None]
+    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x >= jnp.maximum(cutoff, kth), x, -jnp.inf)
+
+
+def position_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """PRNG keys for sampling the token at `positions` [B, T] of requests with `seeds` [B]."""
+    base = jax.vmap(jax.random.PRNGKey)(seeds)  # [B, 2]
+    return jax.vmap(lambda k, ps: jax.vmap(lambda p: jax.random.fold_in(k, p))(ps))(base, positions)
+
+
+def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  seeds: jax.Array, positions: jax.Array, mode: str) -> jax.Array:
+    """One token per row: logits [B, T, V] for tokens at `positions` [B, T] -> int32 [B, T].
+
+    Rows with temperature 0 (or top_k 1) take the argmax; others draw from the filtered softmax.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == GREEDY:
+        return greedy
+    t, k, p = (a[:, None] for a in (temperature, top_k, top_p))
+    if mode == SAMPLE_FILTERED:
+        scaled = filtered_logits(logits, t, k, p)
+    else:
+        scaled = logits / jnp.where(t > 0, t, 1.0)[..., None]
+    keys = position_keys(seeds, positions)  # [B, T, 2]
+    drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys, scaled).astype(jnp.int32)
+    return jnp.where((t > 0) & (k != 1), drawn, greedy)

@@ -1,0 +1,1 @@
+"""Speculative decoding: lossless acceptance, proposers and the readable single-request reference loop."""

@@ -1,0 +1,82 @@
+"""The proposer interface shared by every drafting method, and its two simplest members.
+
+The engine asks a proposer for up to K draft tokens per sequence and tells it what was accepted; verification
+is the same for all methods.  A proposer is a frozen, hashable dataclass (a static argument of the jitted step
+functions) whose methods are pure functions of (params, state, inputs):
+
+* `init_state(num_pages, page_size)`  device state, e.g. the drafter's paged K/V (shares the target's page
+  tables and slots) or None.
+* `observe(params, state, taps, positions, slots)`  called with target hidden states (at `tap_indices`) of
+  tokens that are now part of the sequence: the prompt after prefill, the accepted rows after verification.
+  Rows with slot -1 were rejected or are padding and must be ignored.
+* `propose(params, state, target, bonus, start, page_table, num_draft)`  -> int32 drafts [B, num_draft]
+  for the tokens after `bonus` (which sits at position `start`).
+* Host proposers (n-gram) set `on_device = False` and implement `host_propose(token_ids, k)` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+import jax.numpy as jnp
+
+from specjax.config import DrafterConfig
+from specjax.drafter import dflash
+from specjax.model.target import init_kv_pages
+
+
+@dataclass(frozen=True)
+class NoProposer:
+    """Plain autoregressive decoding: nothing is drafted (K = 0)."""
+
+    name: str = "ar"
+    on_device: bool = True
+    tap_indices: tuple[int, ...] = ()
+    max_draft_tokens: int = 0
+
+    def init_state(self, num_pages: int, page_size: int, dtype=jnp.float32):
+        return None
+
+    def observe(self, params, state, taps, positions, slots):
+        return state
+
+    def propose(self, params, state, target, bonus, start, page_table, num_draft):
+        return jnp.zeros((bonus.shape[0], num_draft), jnp.int32)
+
+
+@dataclass(frozen=True)
+class DFlashProposer:
+    """Block-diffusion drafting: one drafter forward proposes the whole block (see drafter/dflash.py)."""
+
+    cfg: DrafterConfig
+    block_size: int
+    name: str = "dflash"
+    on_device: bool = True
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+
+    @property
+    def tap_indices(self) -> tuple[int, ...]:
+        return self.cfg.hidden_state_indices
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.block_size - 1
+
+    def init_state(self, num_pages: int, page_size: int, dtype=jnp.float32):
+        return init_kv_pages(self.cfg.num_layers, num_pages, page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
+                             dtype)
+
+    def observe(self, params, state, taps, positions, slots):
+        return dflash.observe(params, self.cfg, state, taps, positions, slots)
+
+    def propose(self, params, state, target, bonus, start, page_table, num_draft):
+        logits = dflash.propose_logits(params, self.cfg, state, target.embed, target.output_head, bonus, start,
+                                       page_table, num_draft, self.block_size)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+__all__ = ["NoProposer", "DFlashProposer"]
