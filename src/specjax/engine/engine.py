@@ -42,7 +42,8 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, tcfg: ModelConfig, tweights: TargetWeights, proposer=None, pweights=None,
-                 config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
+                 config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
+                 record_drafts: bool = False):
         self.tcfg, self.tweights = tcfg, tweights
         self.proposer = proposer or NoProposer()
         self.pweights = pweights
@@ -73,6 +74,7 @@ class LLMEngine:
         self.next_id = 0
         self.rng = np.random.default_rng(seed)
         self.num_steps = {"prefill": 0, "decode": 0}
+        self.record_drafts = record_drafts
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
@@ -88,6 +90,8 @@ class LLMEngine:
                                f"max_model_len={self.config.max_model_len} (prompt + at least one new token)")
         seed = params.seed if params.seed is not None else int(self.rng.integers(0, 2**31 - 1))
         seq = Sequence(self.next_id, prompt_ids, params, seed=seed % (2**31 - 1))
+        if self.record_drafts:
+            seq.stats.draft_log = []
         self.next_id += 1
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
@@ -258,7 +262,7 @@ class LLMEngine:
         table = self._page_table(seqs, b, max(self._step_tokens(s) for s in seqs))
         inputs = runner.DecodeBatch(jnp.asarray(bonus), jnp.asarray(start), jnp.asarray(slots), jnp.asarray(table),
                                     jnp.asarray(num_drafts), jnp.asarray(host_drafts))
-        num_accepted, tokens, _, self.kv, self.pstate = runner.decode_step(
+        num_accepted, tokens, drafts, self.kv, self.pstate = runner.decode_step(
             self.tweights, self.kv, self.pweights, self.pstate, inputs, self._sampling(seqs, b), tcfg=self.tcfg,
             proposer=self.proposer, num_draft=k, mode=sampler_mode([s.params for s in seqs]))
         num_accepted, tokens = np.asarray(num_accepted), np.asarray(tokens)
@@ -267,6 +271,8 @@ class LLMEngine:
         for i, seq in enumerate(seqs):
             a = int(num_accepted[i])
             seq.stats.record(int(num_drafts[i]), a)
+            if seq.stats.draft_log is not None:
+                seq.stats.draft_log.append([int(d) for d in np.asarray(drafts)[i, :num_drafts[i]]])
             seq.num_cached = seq.start + a + 1  # old bonus + accepted drafts; the new bonus has no K/V yet
             outputs.append(self._commit(seq, [int(t) for t in tokens[i, :a + 1]]))
         return outputs

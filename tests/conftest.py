@@ -1,0 +1,39 @@
+"""Test environment: JAX on the CPU in float32, shared tiny random checkpoints in the real HF formats."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+
+from tests import helpers  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """family -> directory of a tiny random HF checkpoint (config, safetensors, byte-level tokenizer)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: helpers.make_hf_checkpoint(family, str(root / family)) for family in helpers.FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    from specjax.model.loader import CheckpointError, default_model_path
+
+    try:
+        return default_model_path()
+    except CheckpointError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_path):
+    from specjax.model.loader import load_model
+
+    return load_model(smollm_path)

@@ -1,0 +1,148 @@
+"""THE lossless test: speculative output equals plain decoding token for token, whatever the drafter.
+
+Greedy: a random DFlash drafter (block sizes 4/8/16) and a noisy oracle proposer (to exercise every accepted
+length 0..K) through the batched engine with ragged prompts and a tiny page pool that forces preemption; the
+readable single-request loop (spec/reference.py) is the oracle for the engine.  Sampled: with a fixed seed the
+sampled tokens equal plain sampled decoding (randomness is tied to positions, see sampling.py), and
+test_rejection_sampling.py checks the distribution itself.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.config import EngineConfig
+from specjax.drafter.loader import drafter_config_for, init_drafter
+from specjax.engine.engine import LLMEngine
+from specjax.model.loader import load_model
+from specjax.sampling import SamplingParams
+from specjax.spec.proposer import DFlashProposer, NoProposer
+from specjax.spec.reference import dflash_reference_proposer, reference_generate
+from tests.helpers import random_prompt
+
+MAX_LEN = 96
+PROMPT_LENS = [1, 6, 13, 29, 40]
+MAX_NEW = [40, 25, 33, 50, 17]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dirs):
+    target = load_model(tiny_dirs["qwen3"])
+    dcfg = drafter_config_for(target.config, num_layers=2, block_size=16, target_layer_ids=(0, 2), mask_token_id=299,
+                              mask_embedding=False)
+    dweights = init_drafter(dcfg, jax.random.PRNGKey(3), std=0.1)
+    rng = np.random.default_rng(11)
+    prompts = [random_prompt(rng, n) for n in PROMPT_LENS]
+    return target, dcfg, dweights, prompts
+
+
+def run(target, proposer, pweights, prompts, params, config, **kw):
+    engine = LLMEngine(target.config, target.weights, proposer, pweights, config, **kw)
+    seqs = engine.generate(prompts, params)
+    engine.allocator.check()
+    assert engine.allocator.num_used == 0, "pages leaked"
+    return seqs, engine
+
+
+def big_pool(page_size=8):
+    return EngineConfig(page_size=page_size, max_model_len=MAX_LEN, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def ar_greedy(setup):
+    target, _, _, prompts = setup
+    # ignore_eos on some requests so that lengths (and page pressure) do not hinge on where EOS happens to fall
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=i % 2 == 1) for i, n in enumerate(MAX_NEW)]
+    seqs, _ = run(target, NoProposer(), None, prompts, params, big_pool())
+    return [s.output_ids for s in seqs], params
+
+
+def test_ar_engine_equals_reference_loop(setup, ar_greedy):
+    target, _, _, prompts = setup
+    outs, params = ar_greedy
+    for prompt, p, out in zip(prompts, params, outs):
+        ref, _ = reference_generate(target.weights, target.config, prompt, p, eos_token_ids=target.config.eos_token_ids,
+                                    max_model_len=MAX_LEN)
+        assert out == ref
+    assert max(len(o) for o in outs) >= 25
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_dflash_greedy_equals_plain_decoding(setup, ar_greedy, block_size):
+    target, dcfg, dweights, prompts = setup
+    outs, params = ar_greedy
+    seqs, _ = run(target, DFlashProposer(dcfg, block_size), dweights, prompts, params, big_pool(page_size=4))
+    assert [s.output_ids for s in seqs] == outs
+    for s in seqs:
+        assert all(1 <= t <= block_size for t in s.stats.acceptance_lengths)
+
+
+def test_dflash_tiny_page_pool_preempts_and_stays_lossless(setup, ar_greedy):
+    target, dcfg, dweights, prompts = setup
+    outs, params = ar_greedy
+    # 2-token pages; 50 pages hold ~1 full-length sequence: requests must be preempted and recomputed.
+    config = EngineConfig(page_size=2, num_pages=50, max_model_len=MAX_LEN, max_num_seqs=4)
+    seqs, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params, config)
+    assert [s.output_ids for s in seqs] == outs
+    assert sum(s.stats.num_preemptions for s in seqs) >= 1
+
+
+def test_engine_drafts_equal_reference_loop(setup, ar_greedy):
+    """Batched engine vs the cache-free single-request loop: same tokens AND same acceptance per step."""
+    target, dcfg, dweights, prompts = setup
+    outs, params = ar_greedy
+    seqs, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts[:3], params[:3], big_pool(4))
+    propose = dflash_reference_proposer(target.weights, target.config, dcfg, dweights, 8)
+    for seq, prompt, p in zip(seqs, prompts, params):
+        ref, taus = reference_generate(target.weights, target.config, prompt, p, propose=propose, num_draft=7,
+                                       eos_token_ids=target.config.eos_token_ids, max_model_len=MAX_LEN)
+        assert seq.output_ids == ref
+        assert seq.stats.acceptance_lengths == taus
+
+
+class NoisyOracle:
+    """Host proposer that knows plain greedy's continuation and corrupts each draft with probability 0.35:
+    every accepted length 0..K occurs, so the acceptance and rollback paths all run."""
+
+    name, on_device, tap_indices = "noisy-oracle", False, ()
+
+    def __init__(self, prompts, outs, k, seed=0):
+        self.full = {tuple(p): p + o for p, o in zip(prompts, outs)}
+        self.max_draft_tokens = k
+        self.rng = np.random.default_rng(seed)
+
+    def init_state(self, *a, **kw):
+        return None
+
+    def observe(self, params, state, taps, positions, slots):
+        return state
+
+    def host_propose(self, token_ids, k):
+        full = next(f for p, f in self.full.items() if tuple(token_ids[:len(p)]) == p)
+        truth = full[len(token_ids):len(token_ids) + k]
+        return [t if self.rng.random() > 0.35 else (t + 1) % 256 for t in truth]
+
+
+def test_noisy_oracle_exercises_every_accept_length_and_stays_lossless(setup, ar_greedy):
+    target, _, _, prompts = setup
+    outs, params = ar_greedy
+    oracle = NoisyOracle(prompts, outs, k=5)
+    seqs, _ = run(target, oracle, None, prompts, params, EngineConfig(page_size=2, num_pages=50, max_model_len=MAX_LEN,
+                                                                       max_num_seqs=3))
+    assert [s.output_ids for s in seqs] == outs
+    seen = {t for s in seqs for t in s.stats.acceptance_lengths}
+    assert seen >= {1, 2, 3, 6}, seen
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, max_new_tokens=30, seed=123),
+                                    SamplingParams(temperature=1.3, top_p=0.85, top_k=20, max_new_tokens=30, seed=7)])
+def test_seeded_sampling_equals_plain_sampling(setup, params):
+    """With a fixed seed, speculative sampling commits exactly the tokens plain sampling draws."""
+    target, dcfg, dweights, prompts = setup
+    ar, _ = run(target, NoProposer(), None, prompts, params, big_pool())
+    spec, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params, big_pool(4))
+    assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+    oracle = NoisyOracle(prompts, [s.output_ids for s in ar], k=6)
+    noisy, _ = run(target, oracle, None, prompts, params, big_pool(4))
+    assert [s.output_ids for s in noisy] == [s.output_ids for s in ar]
+    assert max(max(s.stats.acceptance_lengths) for s in noisy) >= 4
