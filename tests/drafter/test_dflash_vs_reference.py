@@ -12,6 +12,7 @@ from specjax.drafter import dflash
 from specjax.drafter.loader import init_drafter, load_drafter, save_drafter
 from specjax.engine.engine import LLMEngine
 from specjax.config import EngineConfig
+from specjax.model.attention import write_rows
 from specjax.model.loader import load_model
 from specjax.model.target import init_kv_pages
 from specjax.sampling import SamplingParams
@@ -84,8 +85,8 @@ def test_draft_logits_match_reference_for_scripted_acceptance(pair):
             ref_logits = ref.compute_logits(out[:, 1:], head)[0].numpy()
         dflash_ref._crop_to(cache, s)
         # --- ours: observe the accepted rows, then propose from the bonus at position s
-        dkv = dflash.observe(weights, cfg, dkv, jnp.asarray(ctx_raw[None, prev:s]), jnp.asarray([new_rows]),
-                             jnp.asarray([[slot(p) for p in new_rows]]))
+        rows = dflash.observe(weights, cfg, jnp.asarray(ctx_raw[None, prev:s]), jnp.asarray([new_rows]))
+        dkv = write_rows(dkv, jnp.asarray([[slot(p) for p in new_rows]]), rows)
         ours = np.asarray(dflash.propose_logits(weights, cfg, dkv, target.weights.embed, target.weights.output_head,
                                                 jnp.asarray([tokens[s]]), jnp.asarray([s]), table, BLOCK - 1, BLOCK))[0]
         np.testing.assert_allclose(ours, ref_logits, atol=2e-4, rtol=1e-4, err_msg=f"step at s={s}")

@@ -42,12 +42,22 @@ def test_paged_equals_dense_on_random_ragged_layouts(seed):
 
     t = int(new.max()) + 1  # one padding query column at least
     q = rng.normal(size=(b, t, n_heads, hd)).astype(np.float32)
-    positions = np.full((b, t), -1, np.int32)
+    positions = np.zeros((b, t), np.int32)  # padding queries sit at position 0 with slot -1
+    valid = np.zeros((b, t), bool)
+    k_new = np.zeros((b, t, kv_heads, hd), np.float32)
+    v_new = np.zeros((b, t, kv_heads, hd), np.float32)
     for i in range(b):
         positions[i, :new[i]] = np.arange(lens[i] - new[i], lens[i])
+        valid[i, :new[i]] = True
+        k_new[i, :new[i]] = k_dense[i, lens[i] - new[i]:lens[i]]
+        v_new[i, :new[i]] = v_dense[i, lens[i] - new[i]:lens[i]]
+    # This step's own rows are NOT in the pool yet (the forward reads, a later call writes): blank them there.
+    step_slots = np.where(valid, np.take_along_axis(slots, positions, axis=1), -1)
+    k_pool = write_pages(k_pool, jnp.asarray(step_slots), jnp.full((b, t, kv_heads, hd), 7.0))
+    v_pool = write_pages(v_pool, jnp.asarray(step_slots), jnp.full((b, t, kv_heads, hd), 7.0))
     scale = hd ** -0.5
     paged = np.asarray(paged_attention(jnp.asarray(q), k_pool, v_pool, jnp.asarray(table), jnp.asarray(positions),
-                                       scale))
+                                       jnp.asarray(valid), jnp.asarray(k_new), jnp.asarray(v_new), scale))
     dense = np.asarray(dense_attention(jnp.asarray(q), jnp.asarray(k_dense), jnp.asarray(v_dense),
                                        jnp.asarray(positions), scale))
     for i in range(b):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from specjax.model import target as tgt
+from specjax.model.attention import write_rows
 from specjax.model.loader import load_model
 from tests.helpers import FAMILIES, hf_forward, load_hf_torch, random_prompt
 
@@ -79,7 +80,8 @@ def test_ragged_incremental_decode_through_pages_vs_transformers(tiny_dirs, fami
         for i, pages in enumerate(layout):
             table[i, :len(pages)] = pages
         batch = tgt.ForwardBatch(*(jnp.asarray(a) for a in (tokens, positions, slots, table)))
-        hidden, _, kv = tgt.forward(loaded.weights, kv, batch, cfg)
+        hidden, _, rows = tgt.forward(loaded.weights, kv, batch, cfg)
+        kv = write_rows(kv, batch.slots, rows)
         logits = np.asarray(tgt.logits(loaded.weights, hidden))
         for i, n in enumerate(chunk):
             np.testing.assert_allclose(logits[i, :n], refs[i][done[i]:done[i] + n], atol=ATOL, rtol=1e-4)

@@ -114,8 +114,8 @@ class NoisyOracle:
     def init_state(self, *a, **kw):
         return None
 
-    def observe(self, params, state, taps, positions, slots):
-        return state
+    def observe(self, params, taps, positions):
+        return None
 
     def host_propose(self, token_ids, k):
         full = next(f for p, f in self.full.items() if tuple(token_ids[:len(p)]) == p)

@@ -3,9 +3,9 @@
 Two pure functions over the drafter's own paged K/V (same page tables and slots as the target, one pool per
 drafter layer):
 
-* `observe`  projects target hidden-state taps of ACCEPTED positions (fc -> hidden_norm -> k/v per layer) and
-  writes them into the drafter pages.  Rejected positions are never written (the "sequence-length inflation"
-  bug of tpu-inference #1869 cannot happen: the caller passes slot -1 for them).
+* `observe`  projects target hidden-state taps (fc -> hidden_norm -> k/v per layer) into K/V rows that the
+  caller writes into the drafter pages at the slots of ACCEPTED positions only.  Rejected positions get slot -1
+  and are never written (the "sequence-length inflation" bug of tpu-inference #1869 cannot happen).
 * `propose`  runs the block [bonus, MASK x (Q-1)] at positions s..s+Q-1.  Queries come from the block only;
   keys are the cached context (positions < s) plus the block itself, with no causal mask.  Block K/V are never
   stored, so there is nothing to roll back.  Slot k predicts the token AT position s+k (same-position labels).
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import DrafterConfig
-from specjax.model.attention import gather_pages, write_pages
+from specjax.model.attention import KVRows, gather_pages
 from specjax.model.layers import apply_rope, grouped_attention, rms_norm, rope_cos_sin, swiglu
 from specjax.model.target import KVPages
 
@@ -61,17 +61,12 @@ def layer_kv(layer: DrafterLayer, cfg: DrafterConfig, x: jax.Array, cos, sin):
     return apply_rope(k, cos, sin), v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
 
 
-def observe(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, taps: jax.Array, positions: jax.Array,
-            slots: jax.Array) -> KVPages:
-    """Append context K/V for tapped rows taps [B, C, F*Ht] at `positions`/`slots` [B, C] (slot -1 = skip)."""
+def observe(weights: DFlashWeights, cfg: DrafterConfig, taps: jax.Array, positions: jax.Array) -> KVRows:
+    """Context K/V rows for taps [B, C, F*Ht] at `positions` [B, C], one [B, C, K, Dh] pair per drafter layer."""
     ctx = fuse_context(weights, cfg, taps)  # [B, C, H]
     cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
-    new_k, new_v = [], []
-    for i, layer in enumerate(weights.layers):
-        k, v = layer_kv(layer, cfg, ctx, cos, sin)
-        new_k.append(write_pages(dkv.k[i], slots, k))
-        new_v.append(write_pages(dkv.v[i], slots, v))
-    return KVPages(k=tuple(new_k), v=tuple(new_v))
+    rows = [layer_kv(layer, cfg, ctx, cos, sin) for layer in weights.layers]
+    return KVRows(k=tuple(k for k, _ in rows), v=tuple(v for _, v in rows))
 
 
 def block_embeddings(weights: DFlashWeights, cfg: DrafterConfig, embed: jax.Array, bonus: jax.Array,

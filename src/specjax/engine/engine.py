@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -22,7 +23,7 @@ from specjax.engine.buckets import pick_bucket, pow2_buckets
 from specjax.engine.sequence import Sequence, Status
 from specjax.kv.allocator import OutOfPages, PageAllocator
 from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages
-from specjax.sampling import SamplingParams, sampler_mode
+from specjax.sampling import GREEDY, SamplingParams, sampler_mode
 from specjax.spec.proposer import NoProposer
 
 log = logging.getLogger(__name__)
@@ -77,9 +78,10 @@ class LLMEngine:
         self.record_drafts = record_drafts
 
     # ------------------------------------------------------------------------------------------------ requests
-    def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
-        params = params or SamplingParams()
-        prompt_ids = [int(t) for t in prompt_ids]
+    def validate_request(self, prompt_ids, params: SamplingParams | None = None) -> None:
+        """Raise RequestError naming the problem if the request cannot be served; changes nothing."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise RequestError(f"expected SamplingParams, got {type(params).__name__}")
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < self.tcfg.vocab_size]
@@ -88,6 +90,11 @@ class LLMEngine:
         if len(prompt_ids) >= self.config.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context holds "
                                f"max_model_len={self.config.max_model_len} (prompt + at least one new token)")
+
+    def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.validate_request(prompt_ids, params)
         seed = params.seed if params.seed is not None else int(self.rng.integers(0, 2**31 - 1))
         seq = Sequence(self.next_id, prompt_ids, params, seed=seed % (2**31 - 1))
         if self.record_drafts:
@@ -132,6 +139,41 @@ class LLMEngine:
             if on_step is not None:
                 on_step(outputs)
         return [self.seqs[i] for i in ids]
+
+    def warmup(self, prompt_len: int, total_len: int, batch_sizes=(1,), modes=(GREEDY,)) -> int:
+        """Compile the step shapes a request of `prompt_len` growing to `total_len` tokens will use (with dummy
+        inputs whose slots are all -1, so the caches are untouched).  Returns the number of shapes run."""
+        total_len = min(total_len, self.config.max_model_len)
+        k, chunk = self.num_draft, self.config.prefill_chunk
+        prefill_shapes = set()
+        for start in range(0, prompt_len, chunk):
+            n = min(chunk, prompt_len - start)
+            prefill_shapes.add((pick_bucket(n, self.prefill_buckets),
+                                pick_bucket(self.allocator.pages_for(start + n), self.page_buckets)))
+        decode_pages = {pick_bucket(self.allocator.pages_for(min(n + k, self.config.max_model_len)),
+                                    self.page_buckets) for n in range(prompt_len + 1, total_len + 1)}
+        count = 0
+        for b in {pick_bucket(x, self.batch_buckets) for x in batch_sizes}:
+            sampling = runner.SamplingBatch(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.int32))
+            for mode in modes:
+                for t, pg in sorted(prefill_shapes):
+                    batch = ForwardBatch(jnp.zeros((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32),
+                                         jnp.full((b, t), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32))
+                    _, rows, prows = runner.prefill_step(
+                        self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.zeros(b, jnp.int32), sampling,
+                        tcfg=self.tcfg, proposer=self.proposer, mode=mode)
+                    self.kv, self.pstate = runner.commit(self.kv, self.pstate, batch.slots, rows, batch.slots, prows)
+                    count += 1
+                for pg in sorted(decode_pages):
+                    inputs = runner.DecodeBatch(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32),
+                                                jnp.full((b, k + 1), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32),
+                                                jnp.zeros(b, jnp.int32), jnp.zeros((b, k), jnp.int32))
+                    out = runner.decode_step(self.tweights, self.kv, self.pweights, self.pstate, inputs, sampling,
+                                             tcfg=self.tcfg, proposer=self.proposer, num_draft=k, mode=mode)
+                    self.kv, self.pstate = runner.commit(self.kv, self.pstate, inputs.slots, out[3], out[5], out[4])
+                    count += 1
+        jax.block_until_ready(self.kv)
+        return count
 
     # ------------------------------------------------------------------------------------------------ schedule
     def _step_tokens(self, seq: Sequence) -> int:
@@ -222,10 +264,11 @@ class LLMEngine:
             last_index[i] = n - 1
         table = self._page_table(seqs, b, max(s.num_cached + len(c) for s, c in zip(seqs, chunks)))
         batch = ForwardBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(table))
-        first, self.kv, self.pstate = runner.prefill_step(
+        first, rows, prows = runner.prefill_step(
             self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.asarray(last_index),
             self._sampling(seqs, b), tcfg=self.tcfg, proposer=self.proposer,
             mode=sampler_mode([s.params for s in seqs]))
+        self.kv, self.pstate = runner.commit(self.kv, self.pstate, batch.slots, rows, batch.slots, prows)
         first = np.asarray(first)
         self.num_steps["prefill"] += 1
         outputs = []
@@ -262,9 +305,10 @@ class LLMEngine:
         table = self._page_table(seqs, b, max(self._step_tokens(s) for s in seqs))
         inputs = runner.DecodeBatch(jnp.asarray(bonus), jnp.asarray(start), jnp.asarray(slots), jnp.asarray(table),
                                     jnp.asarray(num_drafts), jnp.asarray(host_drafts))
-        num_accepted, tokens, drafts, self.kv, self.pstate = runner.decode_step(
+        num_accepted, tokens, drafts, rows, prows, pslots = runner.decode_step(
             self.tweights, self.kv, self.pweights, self.pstate, inputs, self._sampling(seqs, b), tcfg=self.tcfg,
             proposer=self.proposer, num_draft=k, mode=sampler_mode([s.params for s in seqs]))
+        self.kv, self.pstate = runner.commit(self.kv, self.pstate, inputs.slots, rows, pslots, prows)
         num_accepted, tokens = np.asarray(num_accepted), np.asarray(tokens)
         self.num_steps["decode"] += 1
         outputs = []

@@ -1,9 +1,10 @@
-"""Jitted step functions (module level, static configs, donated caches): prefill and speculative decode.
+"""Jitted step functions (module level, static configs): prefill, speculative decode, and the KV commit.
 
-Both serve every method: the proposer is a static, hashable argument (spec/proposer.py) and plain decoding
-is the NoProposer with K = 0.  One decode step = propose K drafts -> verify [bonus, drafts] in one target
-forward -> accept on the device -> let the proposer observe the accepted rows.  The host syncs once per step
-to read (num_accepted, tokens).
+Both steps serve every method: the proposer is a static, hashable argument (spec/proposer.py) and plain
+decoding is the NoProposer with K = 0.  One decode step = propose K drafts -> verify [bonus, drafts] in one
+target forward -> accept on the device -> proposer context rows for the accepted tokens.  Steps only READ the
+caches; `commit` then writes the new rows into the donated pools in place (see model/attention.py for why the
+two are separate calls).  The host syncs once per step to read (num_accepted, tokens).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.model import target as tgt
+from specjax.model.attention import write_rows
 from specjax.spec.verify import accept
 
 
@@ -39,28 +41,31 @@ class DecodeBatch:
     host_drafts: jax.Array  # [B, K] drafts from a host proposer (ignored by device proposers)
 
 
-@partial(jax.jit, static_argnames=("tcfg", "proposer", "mode"), donate_argnames=("kv", "pstate"))
+@partial(jax.jit, static_argnames=("tcfg", "proposer", "mode"))
 def prefill_step(tw, kv, pw, pstate, batch: tgt.ForwardBatch, last_index, sampling: SamplingBatch, *,
                  tcfg: ModelConfig, proposer, mode: str):
     """Run prompt chunks [B, T]; sample the token after each row's `last_index` (used only for final chunks).
 
-    Returns (first_tokens [B], kv, pstate).
+    Returns (first_tokens [B], target rows, proposer rows): both sets of rows go to batch.slots.
     """
-    hidden, taps, kv = tgt.forward(tw, kv, batch, tcfg, proposer.tap_indices)
+    hidden, taps, rows = tgt.forward(tw, kv, batch, tcfg, proposer.tap_indices)
     last_hidden = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)  # [B, 1, D]
     last_pos = jnp.take_along_axis(batch.positions, last_index[:, None], axis=1)[:, 0]  # [B]
     no_drafts = jnp.zeros((hidden.shape[0], 0), jnp.int32)
     _, tokens = accept(tgt.logits(tw, last_hidden), no_drafts, jnp.zeros_like(last_pos), last_pos,
                        sampling.temperature, sampling.top_k, sampling.top_p, sampling.seeds, mode)
-    pstate = proposer.observe(pw, pstate, taps, batch.positions, batch.slots)
-    return tokens[:, 0], kv, pstate
+    return tokens[:, 0], rows, proposer.observe(pw, taps, batch.positions)
 
 
-@partial(jax.jit, static_argnames=("tcfg", "proposer", "num_draft", "mode"), donate_argnames=("kv", "pstate"))
+@partial(jax.jit, static_argnames=("tcfg", "proposer", "num_draft", "mode"))
 def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch, *, tcfg: ModelConfig,
                 proposer, num_draft: int, mode: str):
-    """One speculative step for the whole batch.  Returns (num_accepted [B], tokens [B, K+1], drafts [B, K],
-    kv, pstate); the step commits tokens[:, :num_accepted + 1]."""
+    """One speculative step for the whole batch.
+
+    Returns (num_accepted [B], tokens [B, K+1], drafts [B, K], target rows, proposer rows, proposer slots); the
+    step commits tokens[:, :num_accepted + 1].  Target rows go to inputs.slots (rows past the accepted length
+    are garbage that later steps overwrite); proposer rows only to the accepted positions.
+    """
     if num_draft == 0:
         drafts = jnp.zeros((inputs.bonus.shape[0], 0), jnp.int32)
     elif proposer.on_device:
@@ -70,10 +75,16 @@ def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch
     block = jnp.concatenate([inputs.bonus[:, None], drafts], axis=1)  # [B, K + 1]
     positions = inputs.start[:, None] + jnp.arange(num_draft + 1)[None, :]
     batch = tgt.ForwardBatch(block, positions, inputs.slots, inputs.page_table)
-    hidden, taps, kv = tgt.forward(tw, kv, batch, tcfg, proposer.tap_indices)
+    hidden, taps, rows = tgt.forward(tw, kv, batch, tcfg, proposer.tap_indices)
     num_accepted, tokens = accept(tgt.logits(tw, hidden), drafts, inputs.num_drafts, inputs.start,
                                   sampling.temperature, sampling.top_k, sampling.top_p, sampling.seeds, mode)
     # Only the rows now part of the sequence (the old bonus and the accepted drafts) become proposer context.
     kept = jnp.arange(num_draft + 1)[None, :] <= num_accepted[:, None]
-    pstate = proposer.observe(pw, pstate, taps, positions, jnp.where(kept, inputs.slots, -1))
-    return num_accepted, tokens, drafts, kv, pstate
+    return (num_accepted, tokens, drafts, rows, proposer.observe(pw, taps, positions),
+            jnp.where(kept, inputs.slots, -1))
+
+
+@partial(jax.jit, donate_argnames=("kv", "pstate"))
+def commit(kv, pstate, slots, rows, proposer_slots, proposer_rows):
+    """Write a step's new K/V rows into the target and proposer pools, in place."""
+    return write_rows(kv, slots, rows), write_rows(pstate, proposer_slots, proposer_rows)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.model.attention import paged_attention, write_pages
+from specjax.model.attention import KVRows, paged_attention
 from specjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 
 
@@ -84,7 +84,7 @@ class ForwardBatch:
 
 
 def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, batch: ForwardBatch, cos, sin):
-    """Pre-norm attention of one layer.  Writes the new K/V, then attends over the pages.  x: [B, T, D]."""
+    """Pre-norm attention of one layer over the pages plus the new rows.  x: [B, T, D] -> (x, k_new, v_new)."""
     b, t, _ = x.shape
     xn = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
     qkv = xn @ layer.w_qkv  # [B, T, (N + 2K) * H]
@@ -98,32 +98,32 @@ def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, bat
         q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_pool = write_pages(k_pool, batch.slots, k)
-    v_pool = write_pages(v_pool, batch.slots, v)
-    o = paged_attention(q, k_pool, v_pool, batch.page_table, batch.positions, cfg.head_dim ** -0.5)
-    return x + o.reshape(b, t, cfg.q_size) @ layer.w_o, k_pool, v_pool
+    o = paged_attention(q, k_pool, v_pool, batch.page_table, batch.positions, batch.slots >= 0, k, v,
+                        cfg.head_dim ** -0.5)
+    return x + o.reshape(b, t, cfg.q_size) @ layer.w_o, k, v
 
 
 def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: ModelConfig,
             tap_indices: tuple[int, ...] = ()):
-    """Run the decoder over a ragged batch.
+    """Run the decoder over a ragged batch.  Reads `kv`, never writes it (see model/attention.py).
 
-    Returns (hidden [B, T, D] after the final norm, taps [B, T, len(tap_indices) * D] or None, new kv).
+    Returns (hidden [B, T, D] after the final norm, taps [B, T, len(tap_indices) * D] or None, the new K/V
+    rows to write at batch.slots with `write_rows`).
     """
     x = weights.embed[batch.tokens]  # [B, T, D]
     cos, sin = rope_cos_sin(batch.positions, jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
     taps = {0: x} if 0 in tap_indices else {}
     new_k, new_v = [], []
     for i, layer in enumerate(weights.layers):
-        x, k_pool, v_pool = attention_block(layer, cfg, x, kv.k[i], kv.v[i], batch, cos, sin)
+        x, k_new, v_new = attention_block(layer, cfg, x, kv.k[i], kv.v[i], batch, cos, sin)
         x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
-        new_k.append(k_pool)
-        new_v.append(v_pool)
+        new_k.append(k_new)
+        new_v.append(v_new)
         if i + 1 in tap_indices:
             taps[i + 1] = x
     hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     tapped = jnp.concatenate([taps[i] for i in tap_indices], axis=-1) if tap_indices else None
-    return hidden, tapped, KVPages(k=tuple(new_k), v=tuple(new_v))
+    return hidden, tapped, KVRows(k=tuple(new_k), v=tuple(new_v))
 
 
 def logits(weights: TargetWeights, hidden: jax.Array) -> jax.Array:

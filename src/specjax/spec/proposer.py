@@ -6,9 +6,10 @@ functions) whose methods are pure functions of (params, state, inputs):
 
 * `init_state(num_pages, page_size)`  device state, e.g. the drafter's paged K/V (shares the target's page
   tables and slots) or None.
-* `observe(params, state, taps, positions, slots)`  called with target hidden states (at `tap_indices`) of
-  tokens that are now part of the sequence: the prompt after prefill, the accepted rows after verification.
-  Rows with slot -1 were rejected or are padding and must be ignored.
+* `observe(params, taps, positions)`  called with target hidden states (at `tap_indices`) of the tokens a
+  step processed; returns K/V rows (KVRows) that the engine writes into `state` at the slots of the tokens
+  that are now part of the sequence (the prompt after prefill, the accepted rows after verification; rejected
+  and padding rows get slot -1 and are never written).  None = nothing to write.
 * `propose(params, state, target, bonus, start, page_table, num_draft)`  -> int32 drafts [B, num_draft]
   for the tokens after `bonus` (which sits at position `start`).
 * Host proposers (n-gram) set `on_device = False` and implement `host_propose(token_ids, k)` instead.
@@ -38,8 +39,8 @@ class NoProposer:
     def init_state(self, num_pages: int, page_size: int, dtype=jnp.float32):
         return None
 
-    def observe(self, params, state, taps, positions, slots):
-        return state
+    def observe(self, params, taps, positions):
+        return None
 
     def propose(self, params, state, target, bonus, start, page_table, num_draft):
         return jnp.zeros((bonus.shape[0], num_draft), jnp.int32)
@@ -70,8 +71,8 @@ class DFlashProposer:
         return init_kv_pages(self.cfg.num_layers, num_pages, page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
                              dtype)
 
-    def observe(self, params, state, taps, positions, slots):
-        return dflash.observe(params, self.cfg, state, taps, positions, slots)
+    def observe(self, params, taps, positions):
+        return dflash.observe(params, self.cfg, taps, positions)
 
     def propose(self, params, state, target, bonus, start, page_table, num_draft):
         logits = dflash.propose_logits(params, self.cfg, state, target.embed, target.output_head, bonus, start,

@@ -15,6 +15,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.model import target as tgt
+from specjax.model.attention import write_rows
 from specjax.sampling import SAMPLE_FILTERED, SamplingParams, sample_tokens
 
 
@@ -114,6 +115,6 @@ def _draft_from_scratch(dweights, weights, rows, bonus, s, *, dcfg, num_draft, b
     n = rows.shape[1]
     dkv = tgt.init_kv_pages(dcfg.num_layers, 2, n, dcfg.num_kv_heads, dcfg.head_dim, weights.embed.dtype)
     pos = jnp.arange(n)[None]
-    dkv = dflash.observe(dweights, dcfg, dkv, rows, pos, jnp.where(pos < s[:, None], n + pos, -1))
+    dkv = write_rows(dkv, jnp.where(pos < s[:, None], n + pos, -1), dflash.observe(dweights, dcfg, rows, pos))
     return dflash.propose_logits(dweights, dcfg, dkv, weights.embed, weights.output_head, bonus, s,
                                  jnp.asarray([[1]]), num_draft, block_size)

@@ -1,0 +1,143 @@
+"""High-level API: load a target (+ drafter), build the proposer and engine, generate text.
+
+    llm = LLM()                                   # embedded SmolLM2-135M-Instruct, shipped drafter if any
+    [out] = llm.generate(["What is 2+2?"], SamplingParams(max_new_tokens=64))
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ConfigError, EngineConfig
+from specjax.drafter.loader import drafter_config_for, init_drafter, load_drafter
+from specjax.engine.engine import LLMEngine, StepOutput
+from specjax.engine.sequence import Sequence, SequenceStats
+from specjax.model.loader import LoadedModel, load_model
+from specjax.model.tokenizer import StreamDecoder
+from specjax.sampling import SamplingParams
+from specjax.spec.proposer import DFlashProposer, NoProposer
+
+log = logging.getLogger(__name__)
+
+METHODS = ("ar", "dflash")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def default_drafter_path() -> str | None:
+    """The DFlash drafter shipped for the embedded default model, if this install has one."""
+    path = os.path.join(os.path.dirname(__file__), "assets", "drafters", "smollm2-135m-instruct-dflash")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def build_proposer(method: str, target: LoadedModel, drafter: str | None, block_size: int | None = None,
+                   dtype=jnp.float32, seed: int = 0):
+    """-> (proposer, proposer weights).  `drafter` is a z-lab checkpoint directory or `random[:LAYERS]` (a random
+    drafter: tau ~ 1, useful to measure the overhead of speculation)."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+    if method == "ar":
+        return NoProposer(), None
+    if drafter is None:
+        raise ConfigError("method dflash needs a drafter: pass --drafter DIR (z-lab format), or --drafter random "
+                          "to measure overhead, or use --method ar")
+    if drafter.startswith("random"):
+        layers = int(drafter.split(":", 1)[1]) if ":" in drafter else 1
+        cfg = drafter_config_for(target.config, num_layers=layers, block_size=block_size or 16)
+        weights = init_drafter(cfg, jax.random.PRNGKey(seed), dtype=dtype)
+    else:
+        cfg, weights = load_drafter(drafter, target.config, dtype)
+    return DFlashProposer(cfg, block_size or cfg.block_size), weights
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stats: SequenceStats
+    ttft: float | None  # seconds from arrival to the first token
+    tpot: float | None  # seconds per output token after the first
+
+
+def result_of(seq: Sequence, text: str) -> GenerationResult:
+    tpot = None
+    if seq.first_token_time is not None and seq.finish_time is not None and len(seq.output_ids) > 1:
+        tpot = (seq.finish_time - seq.first_token_time) / (len(seq.output_ids) - 1)
+    ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+    return GenerationResult(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason, seq.stats, ttft, tpot)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, drafter: str | None = None, method: str | None = None,
+                 block_size: int | None = None, engine_config: EngineConfig | None = None, dtype: str = "float32",
+                 seed: int = 0):
+        if dtype not in DTYPES:
+            raise ConfigError(f"unsupported dtype {dtype!r} (float32, bfloat16)")
+        self.target = load_model(model, DTYPES[dtype])
+        if drafter is None and method != "ar" and model in (None, "default"):
+            drafter = default_drafter_path()
+        self.method = method or ("dflash" if drafter else "ar")
+        self.drafter_path = drafter if self.method != "ar" else None
+        proposer, pweights = build_proposer(self.method, self.target, self.drafter_path, block_size,
+                                            DTYPES[dtype], seed)
+        engine_config = engine_config or EngineConfig(
+            max_model_len=min(4096, self.target.config.max_position_embeddings))
+        tok = self.target.tokenizer
+        eos = list(self.target.config.eos_token_ids)
+        if tok is not None and tok.token_id(tok.eos_token) is not None:
+            eos.append(tok.token_id(tok.eos_token))
+        self.engine = LLMEngine(self.target.config, self.target.weights, proposer, pweights, engine_config,
+                                eos_token_ids=tuple(dict.fromkeys(eos)), seed=seed)
+
+    @property
+    def tokenizer(self):
+        if self.target.tokenizer is None:
+            raise ConfigError(f"{self.target.source} has no tokenizer: pass token ids instead of text")
+        return self.target.tokenizer
+
+    def encode(self, prompt, chat: bool = True) -> list[int]:
+        """Text (chat-formatted if `chat`), a list of chat messages, or token ids -> prompt token ids."""
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            return list(prompt)
+        if isinstance(prompt, list):
+            return self.tokenizer.encode_chat(prompt)
+        if chat and self.tokenizer.chat_template:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, chat: bool = True,
+                 on_text=None) -> list[GenerationResult]:
+        """Generate for a batch of prompts.  `on_text(index, text_delta)` streams detokenized text."""
+        ids = [self.encode(p, chat) for p in prompts]
+        decoders = [StreamDecoder(self.target.tokenizer) for _ in ids] if self.target.tokenizer else None
+        seq_ids: list[int] = []
+
+        def on_step(outputs: list[StepOutput]):
+            if on_text is None or decoders is None:
+                return
+            for out in outputs:
+                i = seq_ids.index(out.seq_id) if out.seq_id in seq_ids else None
+                if i is None:
+                    continue
+                delta = decoders[i].push(out.new_token_ids)
+                if out.finished:
+                    delta += decoders[i].flush()
+                if delta:
+                    on_text(i, delta)
+
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(ids)
+        for p, sp in zip(ids, params):  # validate everything before queueing anything
+            self.engine.validate_request(p, sp)
+        for p, sp in zip(ids, params):
+            seq_ids.append(self.engine.add_request(p, sp))
+        while any(not self.engine.seqs[i].is_finished for i in seq_ids):
+            on_step(self.engine.step())
+        seqs = [self.engine.seqs.pop(i) for i in seq_ids]
+        texts = [self.target.tokenizer.decode(s.output_ids) if self.target.tokenizer else "" for s in seqs]
+        return [result_of(s, t) for s, t in zip(seqs, texts)]
