@@ -105,3 +105,68 @@ def hf_forward(model, ids):
 
 def random_prompt(rng: np.random.Generator, n: int, vocab: int = 256) -> list[int]:
     return [int(x) for x in rng.integers(0, vocab, size=n)]
+
+
+def write_gguf_from_hf(hf_dir: str, out_path: str) -> None:
+    """Write a float32 GGUF of a tiny HF checkpoint the way llama.cpp's converter lays it out (llama Q/K rows
+    permuted, GGUF tensor names, architecture metadata, the byte-level tokenizer)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from specjax.model.loader import GGUF_TO_HF, permute_llama_qk
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    arch = cfg["model_type"]
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    hf_to_gguf = {}
+    for g, h in GGUF_TO_HF.items():
+        for i in range(cfg["num_hidden_layers"]):
+            hf_to_gguf[h.replace("{i}", str(i))] = g.replace("{i}", str(i))
+    w = gguf.GGUFWriter(out_path, arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    from tokenizers import Tokenizer
+    tk = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
+    vocab = {**tk["model"]["vocab"], **{t["content"]: t["id"] for t in tk["added_tokens"]}}
+    tokens = [f"<unused{i}>" for i in range(cfg["vocab_size"])]
+    types = [1] * cfg["vocab_size"]
+    for t, i in vocab.items():
+        tokens[i] = t
+    for t in tk["added_tokens"]:
+        types[t["id"]] = 3
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    del Tokenizer
+    rope = cfg["rope_parameters"]
+    if rope.get("rope_type") == "llama3":  # llama.cpp stores llama3 scaling as per-frequency divisors
+        from specjax.config import RopeConfig
+
+        scaled = RopeConfig.from_hf(cfg)
+        plain = RopeConfig(theta=scaled.theta)
+        w.add_tensor("rope_freqs.weight", (plain.inv_freq(head_dim) / scaled.inv_freq(head_dim)).astype(np.float32))
+    for name, arr in tensors.items():
+        if cfg.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            arr = permute_llama_qk(arr, heads)
+        w.add_tensor(hf_to_gguf[name], np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -111,6 +111,61 @@ def cmd_init_drafter(args) -> int:
     return 0
 
 
+def machine_info() -> dict:
+    import platform
+
+    import jax
+
+    import specjax
+
+    return {"specjax": specjax.__version__, "jax": jax.__version__, "backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "machine": platform.machine(), "processor": platform.processor() or platform.machine()}
+
+
+def cmd_analyze_kflat(args) -> int:
+    from specjax.bench.kflat import draft_costs, plot_kflat, verify_costs
+    from specjax.llm import DTYPES, build_proposer
+    from specjax.model.loader import load_model
+
+    enable_compile_cache(args.compile_cache)
+    target = load_model(args.model, DTYPES[args.dtype])
+    qs = [int(q) for q in args.q.split(",")]
+    print(f"verify cost on {target.source} (context {args.context}, batch {args.batch}, median of {args.repeats})",
+          file=sys.stderr)
+    print(f"{'q':>6} {'median ms':>10} {'t(q)/t(1)':>10}")
+
+    def show(r):
+        print(f"{r['q']:>6} {1000 * r['median_s']:>10.2f} {r['median_s'] / show.base:>10.2f}", flush=True)
+
+    show.base = None
+
+    def progress(r):
+        show.base = show.base or r["median_s"]
+        show(r)
+
+    results = verify_costs(target.config, target.weights, qs, args.context, args.repeats, args.batch,
+                           progress=progress)
+    record = {"kind": "kflat", "model": target.source, "context": args.context, "batch": args.batch,
+              "dtype": args.dtype, "results": results, "machine": machine_info()}
+    if args.drafter:
+        proposer, pweights = build_proposer("dflash", target, args.drafter)
+        blocks = [int(b) for b in args.draft_blocks.split(",")]
+        record["draft"] = draft_costs(proposer, pweights, target.weights, args.context, blocks, args.repeats)
+        for r in record["draft"]:
+            print(f"draft block {r['block_size']:>3}: {1000 * r['median_s']:.2f} ms "
+                  f"({r['median_s'] / results[0]['median_s']:.2f} x t(1))")
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "kflat.json"), "w") as fh:
+            json.dump(record, fh, indent=1)
+        plot_kflat(results, os.path.join(args.out_dir, "kflat.png"),
+                   f"verify cost vs q, {os.path.basename(target.source)}, ctx {args.context}")
+    print(json.dumps({"kflat_ratio": {r["q"]: round(r["ratio"], 3) for r in results},
+                      "t1_ms": round(1000 * results[0]["median_s"], 2)}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -144,6 +199,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
     d.set_defaults(func=cmd_init_drafter)
+
+    a = sub.add_parser("analyze", help="analyses: kflat (verify cost vs tokens per forward)")
+    asub = a.add_subparsers(dest="analysis", required=True)
+    k = asub.add_parser("kflat", help="time one target verify forward for q tokens; t(q)/t(1) is the headline")
+    k.add_argument("--model", default=None)
+    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    k.add_argument("--q", default="1,2,4,8,16,32,64,128,256", help="comma-separated tokens per forward")
+    k.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
+    k.add_argument("--batch", type=int, default=1)
+    k.add_argument("--repeats", type=int, default=15)
+    k.add_argument("--drafter", default=None, help="also time the DFlash drafter (dir or random[:LAYERS])")
+    k.add_argument("--draft-blocks", default="4,8,16", help="drafter block sizes to time")
+    k.add_argument("--out-dir", default=None, help="write kflat.json and kflat.png here")
+    k.add_argument("--compile-cache", default=DEFAULT_CACHE)
+    k.set_defaults(func=cmd_analyze_kflat)
     return parser
 
 

@@ -42,15 +42,13 @@ class PageAllocator:
 
     def grow(self, owner: int, num_tokens: int) -> list[int]:
         """Ensure `owner` has pages for `num_tokens` tokens; all-or-nothing (raises OutOfPages)."""
-        pages = self.owned.setdefault(owner, [])
+        pages = self.owned.get(owner, [])
         need = self.pages_for(num_tokens) - len(pages)
         if need > len(self.free_pages):
-            if not pages:
-                del self.owned[owner]
             raise OutOfPages(f"need {need} pages, {len(self.free_pages)} free")
-        for _ in range(max(need, 0)):
-            pages.append(self.free_pages.pop())
-        return pages
+        if need > 0:
+            self.owned[owner] = pages + [self.free_pages.pop() for _ in range(need)]
+        return self.owned.get(owner, [])
 
     def free(self, owner: int) -> int:
         """Return all pages of `owner` to the pool; returns how many were freed (0 if it owned none)."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from specjax.config import DrafterConfig
+from specjax.config import ConfigError, DrafterConfig
 from specjax.drafter import dflash
 from specjax.model.target import init_kv_pages
 
@@ -57,7 +57,7 @@ class DFlashProposer:
 
     def __post_init__(self):
         if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+            raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
 
     @property
     def tap_indices(self) -> tuple[int, ...]:

@@ -1,0 +1,1 @@
+"""Measurement: per-dataset benchmarks, the verify-cost curve (kflat) and acceptance theory."""

@@ -1,0 +1,25 @@
+"""Compile once per shape bucket: after warm-up, steady-state generation triggers no new trace."""
+
+import jax
+
+from specjax.config import EngineConfig
+from specjax.drafter.loader import drafter_config_for, init_drafter
+from specjax.engine import runner
+from specjax.engine.engine import LLMEngine
+from specjax.model.loader import load_model
+from specjax.sampling import GREEDY, SamplingParams
+from specjax.spec.proposer import DFlashProposer
+
+
+def test_no_retrace_after_warmup(tiny_dirs):
+    target = load_model(tiny_dirs["llama"])
+    dcfg = drafter_config_for(target.config, num_layers=1, block_size=4, target_layer_ids=(1, 2), mask_token_id=299)
+    engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 4), init_drafter(dcfg, jax.random.PRNGKey(0)),
+                       EngineConfig(page_size=4, max_model_len=128, max_num_seqs=1, prefill_chunk=32))
+    prompt, new = list(range(3, 50)), 60
+    engine.warmup(len(prompt), len(prompt) + new, modes=(GREEDY,))
+    sizes = (runner.prefill_step._cache_size(), runner.decode_step._cache_size(), runner.commit._cache_size())
+    [seq] = engine.generate([prompt], SamplingParams(max_new_tokens=new, ignore_eos=True))
+    assert len(seq.output_ids) == new
+    assert (runner.prefill_step._cache_size(), runner.decode_step._cache_size(),
+            runner.commit._cache_size()) == sizes

