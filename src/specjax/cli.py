@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -166,6 +167,49 @@ def cmd_analyze_kflat(args) -> int:
     return 0
 
 
+def cmd_regenerate(args) -> int:
+    import random
+
+    from tqdm import tqdm
+
+    from specjax.config import EngineConfig
+    from specjax.datasets import load_train_prompts
+    from specjax.llm import LLM
+    from specjax.train.regen import regenerate
+    from specjax.train.store import TokenStore
+
+    enable_compile_cache(args.compile_cache)
+    llm = LLM(args.target, method="ar", engine_config=EngineConfig(
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens + 1, max_num_seqs=args.batch_size,
+        page_size=16, prefill_chunk=256))
+    sources = args.sources.split(",")
+    prompts = load_train_prompts(sources, args.data_dir, args.sharegpt_file)
+    by_source = {s: [p for p in prompts if p.dataset == s] for s in sources}
+    rng = random.Random(args.seed)
+    for lst in by_source.values():
+        rng.shuffle(lst)
+    limits = dict(zip(sources, [int(x) for x in args.limits.split(",")])) if args.limits else {}
+    # Interleave sources so that an interrupted run still holds a mix of math, code and chat.
+    pools = [lst[:limits.get(s, len(lst))] for s, lst in by_source.items()]
+    mixed = [p for group in itertools.zip_longest(*pools) for p in group if p is not None]
+    store = TokenStore(args.out, llm.target.config.vocab_size, meta={
+        "target": llm.target.source, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "sources": sources})
+    todo = [p for p in mixed if p.id not in store.ids]
+    print(f"{len(store)} sequences already stored; {len(todo)} prompts to answer", file=sys.stderr)
+    bar = tqdm(total=len(todo), unit="seq", dynamic_ncols=True)
+
+    def progress(done, total, tokens, seconds):
+        bar.update(done - bar.n)
+        bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.0f}", tokens=tokens)
+
+    stats = regenerate(llm, todo, store, args.max_new_tokens, args.temperature, args.seed, args.max_prompt_tokens,
+                       progress)
+    bar.close()
+    print(json.dumps(stats))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -199,6 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
     d.set_defaults(func=cmd_init_drafter)
+
+    r = sub.add_parser("regenerate", help="have the target answer training prompts (resumable token store)")
+    r.add_argument("--target", default="default")
+    r.add_argument("--out", required=True, help="token store directory (resumes if it exists)")
+    r.add_argument("--sources", default="gsm8k_train,mbpp_train,sharegpt")
+    r.add_argument("--limits", default=None, help="max prompts per source, comma-separated in --sources order")
+    r.add_argument("--data-dir", default=None, help="folder with gsm8k_train.jsonl, mbpp.jsonl (default ../shared/data)")
+    r.add_argument("--sharegpt-file", default=None)
+    r.add_argument("--max-new-tokens", type=int, default=320)
+    r.add_argument("--max-prompt-tokens", type=int, default=384)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--compile-cache", default=DEFAULT_CACHE)
+    r.set_defaults(func=cmd_regenerate)
 
     a = sub.add_parser("analyze", help="analyses: kflat (verify cost vs tokens per forward)")
     asub = a.add_subparsers(dest="analysis", required=True)

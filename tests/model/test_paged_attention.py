@@ -31,8 +31,8 @@ def test_paged_equals_dense_on_random_ragged_layouts(seed):
     k_dense = rng.normal(size=(b, s_max, kv_heads, hd)).astype(np.float32)
     v_dense = rng.normal(size=(b, s_max, kv_heads, hd)).astype(np.float32)
     # Fill the pool with garbage, then write every sequence's keys at their slots (including this step's).
-    k_pool = jnp.asarray(rng.normal(size=(num_pages, page_size, kv_heads, hd)).astype(np.float32))
-    v_pool = jnp.asarray(rng.normal(size=(num_pages, page_size, kv_heads, hd)).astype(np.float32))
+    k_pool = jnp.asarray(rng.normal(size=(kv_heads, num_pages, page_size, hd)).astype(np.float32))
+    v_pool = jnp.asarray(rng.normal(size=(kv_heads, num_pages, page_size, hd)).astype(np.float32))
     slots = np.full((b, s_max), -1, np.int32)
     for i in range(b):
         p = np.arange(lens[i])
@@ -66,7 +66,7 @@ def test_paged_equals_dense_on_random_ragged_layouts(seed):
 
 
 def test_write_pages_drops_negative_slots_and_gather_orders_logically():
-    pool = jnp.zeros((4, 2, 1, 1))
+    pool = jnp.zeros((1, 4, 2, 1))  # [K, P, Z, H]
     pool = write_pages(pool, jnp.asarray([[5, -1, 2]]), jnp.asarray([[[[1.0]], [[9.0]], [[3.0]]]]))
     flat = np.asarray(pool).reshape(-1)
     assert flat[5] == 1.0 and flat[2] == 3.0 and flat.sum() == 4.0  # the -1 write (9.0) was dropped

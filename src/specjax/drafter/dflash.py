@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import DrafterConfig
-from specjax.model.attention import KVRows, gather_pages
-from specjax.model.layers import apply_rope, grouped_attention, rms_norm, rope_cos_sin, swiglu
+from specjax.model.attention import KVRows, cached_and_new_attention, gather_pages
+from specjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from specjax.model.target import KVPages
 
 
@@ -90,16 +90,14 @@ def block_hidden(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, x: ja
     cos, sin = rope_cos_sin(block_pos, jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
     num_ctx = page_table.shape[1] * dkv.page_size
     ctx_visible = jnp.arange(num_ctx)[None, :] < context_lens[:, None]  # [B, S]
-    visible = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None, :], (b, q_len, num_ctx)),
-                               jnp.ones((b, q_len, q_len), bool)], axis=-1)  # [B, Q, S + Q]: non-causal
+    block_visible = jnp.ones((b, q_len, q_len), bool)  # non-causal inside the block
     for i, layer in enumerate(weights.layers):
         xn = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
         q = rms_norm((xn @ layer.w_q).reshape(b, q_len, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         kb, vb = layer_kv(layer, cfg, xn, cos, sin)
-        k = jnp.concatenate([gather_pages(dkv.k[i], page_table), kb], axis=1)  # [B, S + Q, K, Dh]
-        v = jnp.concatenate([gather_pages(dkv.v[i], page_table), vb], axis=1)
-        o = grouped_attention(q, k, v, visible, cfg.head_dim ** -0.5)
+        o = cached_and_new_attention(q, gather_pages(dkv.k[i], page_table), gather_pages(dkv.v[i], page_table),
+                                     ctx_visible, kb, vb, block_visible, cfg.head_dim ** -0.5)
         x = x + o.reshape(b, q_len, -1) @ layer.w_o
         x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
     return rms_norm(x, weights.norm, cfg.rms_norm_eps)

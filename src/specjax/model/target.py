@@ -51,23 +51,23 @@ class TargetWeights:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVPages:
-    """Paged K/V pools, one [P, Z, K, H] array per layer (see model/attention.py for the layout)."""
+    """Paged K/V pools, one [K, P, Z, H] array per layer (see model/attention.py for the layout)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
 
 def init_kv_pages(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                   dtype=jnp.float32) -> KVPages:
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
     return KVPages(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
 

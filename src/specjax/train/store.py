@@ -1,0 +1,90 @@
+"""Append-only, crash-safe store of token sequences (prompt + target response) for drafter training.
+
+Layout of a store directory:
+  meta.json    vocab size, token dtype, who generated the data and how
+  tokens.bin   all sequences back to back (uint16 when the vocabulary fits, else uint32)
+  index.jsonl  one line per finished sequence: id, source, offset, length, prompt_len, finish_reason
+
+A sequence is durable once its index line is written (tokens are flushed and fsynced first).  On open, bytes
+past the last indexed sequence (a crash mid-write) are truncated, so an interrupted run resumes without losing
+or duplicating finished work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+
+class TokenStore:
+    def __init__(self, path: str, vocab_size: int | None = None, meta: dict | None = None):
+        self.path = path
+        os.makedirs(path, exist_ok=True)
+        meta_path = os.path.join(path, "meta.json")
+        if os.path.isfile(meta_path):
+            with open(meta_path, encoding="utf-8") as fh:
+                self.meta = json.load(fh)
+            if vocab_size is not None and self.meta["vocab_size"] != vocab_size:
+                raise ValueError(f"store {path} holds vocab_size={self.meta['vocab_size']} tokens, not {vocab_size}")
+        else:
+            if vocab_size is None:
+                raise ValueError(f"{path} is not a token store (no meta.json)")
+            self.meta = {"vocab_size": vocab_size, "dtype": "uint16" if vocab_size <= 65536 else "uint32",
+                         **(meta or {})}
+            with open(meta_path, "w", encoding="utf-8") as fh:
+                json.dump(self.meta, fh, indent=1)
+        self.dtype = np.dtype(self.meta["dtype"])
+        self.index: list[dict] = []
+        index_path = os.path.join(path, "index.jsonl")
+        if os.path.isfile(index_path):
+            with open(index_path, encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        self.index.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        break  # a torn last line: everything after it is dropped
+            with open(index_path, "w", encoding="utf-8") as fh:  # rewrite without a torn tail
+                fh.writelines(json.dumps(r) + "\n" for r in self.index)
+        end = (self.index[-1]["offset"] + self.index[-1]["length"]) if self.index else 0
+        tokens_path = os.path.join(path, "tokens.bin")
+        with open(tokens_path, "ab") as fh:
+            fh.truncate(end * self.dtype.itemsize)
+        self.ids = {r["id"] for r in self.index}
+        self._end = end
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._end
+
+    def append(self, seq_id: str, source: str, token_ids, prompt_len: int, finish_reason: str | None) -> None:
+        arr = np.asarray(token_ids, dtype=self.dtype)
+        with open(os.path.join(self.path, "tokens.bin"), "ab") as fh:
+            fh.write(arr.tobytes())
+            fh.flush()
+            os.fsync(fh.fileno())
+        record = {"id": seq_id, "source": source, "offset": self._end, "length": int(arr.size),
+                  "prompt_len": int(prompt_len), "finish": finish_reason}
+        with open(os.path.join(self.path, "index.jsonl"), "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.index.append(record)
+        self.ids.add(seq_id)
+        self._end += int(arr.size)
+
+    def tokens(self) -> np.ndarray:
+        """All tokens as one read-only memory map."""
+        if self._end == 0:
+            return np.zeros((0,), self.dtype)
+        return np.memmap(os.path.join(self.path, "tokens.bin"), dtype=self.dtype, mode="r", shape=(self._end,))
+
+    def sequences(self):
+        """(record, token array) for every stored sequence."""
+        toks = self.tokens()
+        for r in self.index:
+            yield r, np.asarray(toks[r["offset"]:r["offset"] + r["length"]], dtype=np.int32)
