@@ -210,6 +210,37 @@ def cmd_regenerate(args) -> int:
     return 0
 
 
+def cmd_train_drafter(args) -> int:
+    from specjax.datasets import load_eval
+    from specjax.drafter.loader import drafter_config_for
+    from specjax.llm import DTYPES
+    from specjax.model.loader import load_model
+    from specjax.train.store import TokenStore
+    from specjax.train.trainer import TrainConfig, train_drafter
+
+    enable_compile_cache(args.compile_cache)
+    target = load_model(args.target, DTYPES["float32"])
+    store = TokenStore(args.data)
+    ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None
+    dcfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block_size,
+                              target_layer_ids=ids, num_taps=args.num_taps,
+                              intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id)
+    cfg = TrainConfig(block_size=args.block_size, batch_size=args.batch_size, num_anchors=args.num_anchors,
+                      max_len=args.max_len, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
+                      weight_decay=args.weight_decay, gamma=args.gamma, seed=args.seed, save_every=args.save_every,
+                      eval_every=args.eval_every)
+    eval_sets = {}
+    if args.eval_prompts > 0 and target.tokenizer is not None:
+        for name in args.eval_datasets.split(","):
+            prompts = load_eval(name, args.data_dir)[: args.eval_prompts]
+            eval_sets[name] = [target.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}])
+                               for p in prompts]
+    summary = train_drafter(target, store, args.out, dcfg, cfg, args.resume, eval_sets, args.eval_max_new_tokens,
+                            args.save_dtype)
+    print(json.dumps(summary))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -258,6 +289,37 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--compile-cache", default=DEFAULT_CACHE)
     r.set_defaults(func=cmd_regenerate)
+
+    t = sub.add_parser("train-drafter", help="train a DFlash drafter on target-regenerated data (resumable)")
+    t.add_argument("--target", default="default")
+    t.add_argument("--data", required=True, help="token store written by `specjax regenerate`")
+    t.add_argument("--out", required=True)
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--num-taps", type=int, default=5)
+    t.add_argument("--target-layer-ids", default=None)
+    t.add_argument("--intermediate-size", type=int, default=None)
+    t.add_argument("--mask-token-id", type=int, default=None,
+                   help="reuse this target token as MASK (default: learn a drafter-owned mask embedding)")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--batch-size", type=int, default=4)
+    t.add_argument("--num-anchors", type=int, default=32)
+    t.add_argument("--max-len", type=int, default=512)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup-ratio", type=float, default=0.04)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block 16, 4 for block 8)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--eval-every", type=int, default=500)
+    t.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per eval dataset (0 = no eval)")
+    t.add_argument("--eval-datasets", default="gsm8k,mbpp")
+    t.add_argument("--eval-max-new-tokens", type=int, default=96)
+    t.add_argument("--data-dir", default=None)
+    t.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+    t.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
+    t.add_argument("--compile-cache", default=DEFAULT_CACHE)
+    t.set_defaults(func=cmd_train_drafter)
 
     a = sub.add_parser("analyze", help="analyses: kflat (verify cost vs tokens per forward)")
     asub = a.add_subparsers(dest="analysis", required=True)

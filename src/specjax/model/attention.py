@@ -61,7 +61,8 @@ def gather_pages(pool: jax.Array, page_table: jax.Array) -> jax.Array:
 def cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible, scale):
     """Softmax attention over two key sets at once: gathered cache rows and this step's own rows.
 
-    q [B, T, N, H]; k_cache, v_cache [K, B, S, H]; cache_visible [B, S] (the same for every query);
+    q [B, T, N, H]; k_cache, v_cache [K, B, S, H]; cache_visible [B, S] (the same for every query) or
+    [B, T, S] (per query, e.g. DFlash training where each block sees only the context before its anchor);
     k_new, v_new [B, T2, K, H]; new_visible [B, T, T2].  Returns [B, T, N, H].  Query head n uses KV head
     n // (N / K) (HF repeat_kv).  Fully masked rows (padding) come out finite.
     """
@@ -72,7 +73,10 @@ def cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, n
     kn = k_new.transpose(2, 0, 1, 3)  # [K, B, T2, H]
     vn = v_new.transpose(2, 0, 1, 3)
     s_cache = jnp.einsum("kbqh,kbsh->kbqs", qq, k_cache, preferred_element_type=jnp.float32) * scale
-    s_cache = jnp.where(cache_visible[None, :, None, :], s_cache, MASK_VALUE)
+    if cache_visible.ndim == 2:
+        s_cache = jnp.where(cache_visible[None, :, None, :], s_cache, MASK_VALUE)
+    else:
+        s_cache = jnp.where(jnp.repeat(cache_visible, g, axis=1)[None], s_cache, MASK_VALUE)
     s_new = jnp.einsum("kbqh,kbth->kbqt", qq, kn, preferred_element_type=jnp.float32) * scale
     s_new = jnp.where(jnp.repeat(new_visible, g, axis=1)[None], s_new, MASK_VALUE)
     m = jnp.maximum(s_cache.max(-1, keepdims=True), s_new.max(-1, keepdims=True))

@@ -1,0 +1,111 @@
+"""The DFlash training objective against slow, obviously-correct constructions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.drafter import dflash
+from specjax.drafter.loader import drafter_config_for, init_drafter
+from specjax.model.attention import write_rows
+from specjax.model.loader import load_model
+from specjax.model.target import init_kv_pages
+from specjax.spec.reference import full_forward
+from specjax.train.objective import block_logits, dflash_loss, labels_and_weights, sample_anchors
+
+Q = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dirs):
+    target = load_model(tiny_dirs["qwen3"])
+    cfg = drafter_config_for(target.config, num_layers=2, block_size=Q, target_layer_ids=(0, 2), mask_embedding=True)
+    weights = init_drafter(cfg, jax.random.PRNGKey(1), std=0.1)
+    rng = np.random.default_rng(0)
+    lengths = np.array([30, 21])
+    tokens = np.zeros((2, 32), np.int32)
+    taps = np.zeros((2, 32, cfg.num_taps * target.config.hidden_size), np.float32)
+    loss_mask = np.zeros((2, 32), bool)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = rng.integers(0, 256, n)
+        taps[i, :n] = np.asarray(full_forward(target.weights, target.config, list(tokens[i, :n]),
+                                              cfg.hidden_state_indices)[1])
+        loss_mask[i, 8:n] = True  # "prompt" = first 8 tokens
+    return target, cfg, weights, tokens, taps, loss_mask, lengths
+
+
+def test_anchor_sampling_respects_response_and_length(setup):
+    *_, loss_mask, lengths = setup
+    anchors, keep = sample_anchors(np.random.default_rng(3), loss_mask, lengths, 40, Q)
+    for i in range(2):
+        a = anchors[i][keep[i]]
+        assert list(a) == sorted(set(a))  # sorted, without replacement
+        assert all(loss_mask[i, x] and x <= lengths[i] - Q for x in a)
+        assert keep[i].sum() == min(40, lengths[i] - Q + 1 - 8)
+
+
+def test_block_logits_equal_inference_drafter_with_context_before_anchor(setup):
+    """Training block j == the inference drafter with context rows 0..a_j-1 and bonus x[a_j] at position a_j."""
+    target, cfg, weights, tokens, taps, loss_mask, lengths = setup
+    anchors, keep = sample_anchors(np.random.default_rng(5), loss_mask, lengths, 6, Q)
+    keep[1, -1] = False  # a padding block must not disturb the others
+    w = target.weights
+    train = np.asarray(block_logits(weights, cfg, w.embed, w.output_head, jnp.asarray(tokens), jnp.asarray(taps),
+                                    jnp.asarray(anchors), jnp.asarray(keep), Q))
+    for i in range(2):
+        for j in range(anchors.shape[1]):
+            if not keep[i, j]:
+                continue
+            a = int(anchors[i, j])
+            dkv = init_kv_pages(cfg.num_layers, 2, 32, cfg.num_kv_heads, cfg.head_dim)
+            pos = jnp.arange(a)[None]
+            dkv = write_rows(dkv, 32 + pos, dflash.observe(weights, cfg, jnp.asarray(taps[i:i + 1, :a]), pos))
+            ref = dflash.propose_logits(weights, cfg, dkv, w.embed, w.output_head, jnp.asarray(tokens[i, a:a + 1]),
+                                        jnp.asarray([a]), jnp.asarray([[1]]), Q - 1, Q)
+            np.testing.assert_allclose(train[i, j], np.asarray(ref)[0], atol=2e-4, rtol=1e-4,
+                                       err_msg=f"seq {i} anchor {a}")
+
+
+def test_labels_and_weights_match_a_python_loop(setup):
+    *_, tokens, _, loss_mask, lengths = setup
+    anchors, keep = sample_anchors(np.random.default_rng(9), loss_mask, lengths, 8, Q)
+    keep[0, 2] = False
+    anchors[1, 0] = lengths[1] - 2  # near the end: labels past the sequence get weight 0
+    gamma = 7.0
+    labels, w = labels_and_weights(jnp.asarray(tokens), jnp.asarray(loss_mask), jnp.asarray(lengths),
+                                   jnp.asarray(anchors), jnp.asarray(keep), Q, gamma)
+    labels, w = np.asarray(labels), np.asarray(w)
+    for i in range(2):
+        for j in range(anchors.shape[1]):
+            for k in range(1, Q):
+                p = anchors[i, j] + k
+                expect_w = keep[i, j] * (p < lengths[i]) * (loss_mask[i, p] if p < lengths[i] else 0) * \
+                    np.exp(-(k - 1) / gamma)
+                assert w[i, j, k - 1] == pytest.approx(expect_w, abs=1e-7)
+                if p < lengths[i]:
+                    assert labels[i, j, k - 1] == tokens[i, p]
+
+
+def test_a_few_steps_reduce_the_loss(setup):
+    import optax
+
+    target, cfg, weights, tokens, taps, loss_mask, lengths = setup
+    anchors, keep = sample_anchors(np.random.default_rng(2), loss_mask, lengths, 8, Q)
+    w = target.weights
+    args = (w.embed, w.output_head, jnp.asarray(tokens), jnp.asarray(taps), jnp.asarray(loss_mask),
+            jnp.asarray(lengths), jnp.asarray(anchors), jnp.asarray(keep))
+    opt = optax.adamw(3e-3)
+    state = opt.init(weights)
+
+    @jax.jit
+    def step(params, state):
+        (loss, _), grads = jax.value_and_grad(
+            lambda p: dflash_loss(p, cfg, *args, block_size=Q, gamma=4.0), has_aux=True)(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    losses = []
+    for _ in range(30):
+        weights, state, loss = step(weights, state)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0], losses

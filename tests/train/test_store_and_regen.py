@@ -1,0 +1,81 @@
+"""Token store crash safety, target regeneration resume, and the train-drafter CLI (with --resume)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from specjax.cli import main
+from specjax.config import EngineConfig
+from specjax.datasets import Prompt, load_eval, load_train_prompts, recover_sharegpt
+from specjax.llm import LLM
+from specjax.train.regen import regenerate
+from specjax.train.store import TokenStore
+
+
+def test_store_survives_a_torn_write(tmp_path):
+    store = TokenStore(str(tmp_path / "s"), vocab_size=300)
+    store.append("a", "x", [1, 2, 3], 1, "stop")
+    store.append("b", "x", [4, 5], 1, "length")
+    with open(tmp_path / "s" / "tokens.bin", "ab") as fh:  # crash after writing tokens, before the index line
+        fh.write(np.asarray([7, 7, 7], np.uint16).tobytes())
+    with open(tmp_path / "s" / "index.jsonl", "a") as fh:  # ... and a torn index line
+        fh.write('{"id": "c", "sou')
+    again = TokenStore(str(tmp_path / "s"))
+    assert len(again) == 2 and again.num_tokens == 5 and again.ids == {"a", "b"}
+    assert [list(t) for _, t in again.sequences()] == [[1, 2, 3], [4, 5]]
+    again.append("c", "x", [9], 0, "stop")
+    assert [list(t) for _, t in TokenStore(str(tmp_path / "s")).sequences()][-1] == [9]
+    with pytest.raises(ValueError, match="holds vocab_size=300"):
+        TokenStore(str(tmp_path / "s"), vocab_size=49152)
+
+
+def test_sharegpt_recovery_stops_at_the_truncated_record(tmp_path):
+    p = tmp_path / "sg.json"
+    p.write_text('[ {"id": "1", "conversations": [{"from": "human", "value": "hi"}]},\n'
+                 ' {"id": "2", "conversations": []}, {"id": "3", "conversations": [{"from": "hu')
+    assert [r["id"] for r in recover_sharegpt(str(p))] == ["1", "2"]
+    prompts = load_train_prompts(["sharegpt"], sharegpt_file=str(p))
+    assert [q.turns for q in prompts] == [["hi"]]
+
+
+def test_eval_and_train_prompts_are_disjoint():
+    train_ids = {p.id for p in load_train_prompts(["gsm8k_train", "mbpp_train"])}
+    for name in ("gsm8k", "mbpp"):
+        ev = load_eval(name)
+        assert ev and not {p.id for p in ev} & train_ids
+    assert len(load_eval("mbpp")) == 500 and len(load_eval("mt_bench")[0].turns) == 2
+
+
+def test_regenerate_resumes_without_duplicates(tiny_dirs, tmp_path):
+    llm = LLM(tiny_dirs["qwen3"], method="ar", engine_config=EngineConfig(max_model_len=64, max_num_seqs=2))
+    prompts = [Prompt(f"p{i}", "toy", [f"question {i}"]) for i in range(5)]
+    store = TokenStore(str(tmp_path / "r"), 300)
+    first = regenerate(llm, prompts[:3], store, max_new_tokens=8)
+    assert first["generated"] == 3
+    store = TokenStore(str(tmp_path / "r"))  # reopen, as after a crash
+    second = regenerate(llm, prompts, store, max_new_tokens=8)
+    assert second["generated"] == 2 and len(store) == 5
+    for rec, toks in store.sequences():
+        assert rec["prompt_len"] < len(toks) <= rec["prompt_len"] + 8
+
+
+def test_train_drafter_cli_and_resume(tiny_dirs, tmp_path, capsys):
+    store = TokenStore(str(tmp_path / "data"), 300)
+    rng = np.random.default_rng(0)
+    for i in range(12):
+        store.append(f"s{i}", "toy", rng.integers(0, 256, 70), 10, "length")
+    out = str(tmp_path / "run")
+    common = ["train-drafter", "--target", tiny_dirs["qwen3"], "--data", str(tmp_path / "data"), "--out", out,
+              "--layers", "1", "--block-size", "4", "--target-layer-ids", "0,2", "--batch-size", "2",
+              "--num-anchors", "4", "--save-every", "2", "--eval-every", "100", "--eval-prompts", "0",
+              "--compile-cache", ""]
+    assert main(common + ["--steps", "2"]) == 0
+    assert main(common + ["--steps", "4", "--resume"]) == 0
+    rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+    assert [r["step"] for r in rows if "loss" in r] == [2, 4]  # resumed at step 2, not restarted
+    assert os.path.isfile(os.path.join(out, "drafter", "model.safetensors"))
+    assert os.path.isfile(os.path.join(out, "curve.png"))
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 4
