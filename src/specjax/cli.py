@@ -28,8 +28,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
     p.add_argument("--drafter", default=None,
                    help="DFlash drafter directory (z-lab format), or random[:LAYERS]; default: the shipped drafter")
-    p.add_argument("--method", default=None, choices=["ar", "dflash"],
+    p.add_argument("--method", default=None, choices=["ar", "dflash", "ngram"],
                    help="decoding method (default: dflash when a drafter is available, else ar)")
+    p.add_argument("--ngram", default="1,3", help="n-gram lookup: min,max n (method ngram)")
     p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="drafts verified per step, <= block_size-1")
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output (tokens)")
@@ -59,7 +60,8 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, args.drafter, args.method, args.block_size,
               EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=1,
-                           num_draft_tokens=args.num_draft_tokens), dtype=args.dtype, seed=args.seed or 0)
+                           num_draft_tokens=args.num_draft_tokens), dtype=args.dtype, seed=args.seed or 0,
+              ngram=tuple(int(x) for x in args.ngram.split(",")))
     load_s = time.perf_counter() - t0
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     ids = llm.encode(prompt, chat=args.chat)
@@ -73,8 +75,8 @@ def cmd_generate(args) -> int:
     print()
     s = res.stats
     decode_tokens = len(res.token_ids) - 1
-    desc = llm.method if llm.method == "ar" else (f"{llm.method} (block {engine.proposer.block_size}, "
-                                                   f"K={engine.num_draft})")
+    desc = {"ar": "ar", "ngram": f"ngram (K={engine.num_draft})"}.get(
+        llm.method, f"{llm.method} (block {getattr(engine.proposer, 'block_size', '-')}, K={engine.num_draft})")
     lines = [f"--- {desc} | load {load_s:.1f}s | prompt {len(ids)} tok | {len(res.token_ids)} new tok "
              f"({res.finish_reason}) | TTFT {res.ttft:.2f}s"]
     if res.tpot:

@@ -20,11 +20,11 @@ from specjax.engine.sequence import Sequence, SequenceStats
 from specjax.model.loader import LoadedModel, load_model
 from specjax.model.tokenizer import StreamDecoder
 from specjax.sampling import SamplingParams
-from specjax.spec.proposer import DFlashProposer, NoProposer
+from specjax.spec.proposer import DFlashProposer, NgramProposer, NoProposer
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ar", "dflash")
+METHODS = ("ar", "dflash", "ngram")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -35,13 +35,15 @@ def default_drafter_path() -> str | None:
 
 
 def build_proposer(method: str, target: LoadedModel, drafter: str | None, block_size: int | None = None,
-                   dtype=jnp.float32, seed: int = 0):
+                   dtype=jnp.float32, seed: int = 0, num_draft_tokens: int | None = None, ngram: tuple = (1, 3)):
     """-> (proposer, proposer weights).  `drafter` is a z-lab checkpoint directory or `random[:LAYERS]` (a random
     drafter: tau ~ 1, useful to measure the overhead of speculation)."""
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
     if method == "ar":
         return NoProposer(), None
+    if method == "ngram":
+        return NgramProposer(max_draft_tokens=num_draft_tokens or 4, min_n=ngram[0], max_n=ngram[1]), None
     if drafter is None:
         raise ConfigError("method dflash needs a drafter: pass --drafter DIR (z-lab format), or --drafter random "
                           "to measure overhead, or use --method ar")
@@ -76,18 +78,18 @@ def result_of(seq: Sequence, text: str) -> GenerationResult:
 class LLM:
     def __init__(self, model: str | None = None, drafter: str | None = None, method: str | None = None,
                  block_size: int | None = None, engine_config: EngineConfig | None = None, dtype: str = "float32",
-                 seed: int = 0):
+                 seed: int = 0, ngram: tuple[int, int] = (1, 3), target: LoadedModel | None = None):
         if dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r} (float32, bfloat16)")
-        self.target = load_model(model, DTYPES[dtype])
-        if drafter is None and method != "ar" and model in (None, "default"):
+        self.target = target or load_model(model, DTYPES[dtype])  # `target`: reuse an already loaded model
+        if drafter is None and method in (None, "dflash") and model in (None, "default"):
             drafter = default_drafter_path()
         self.method = method or ("dflash" if drafter else "ar")
-        self.drafter_path = drafter if self.method != "ar" else None
-        proposer, pweights = build_proposer(self.method, self.target, self.drafter_path, block_size,
-                                            DTYPES[dtype], seed)
+        self.drafter_path = drafter if self.method == "dflash" else None
         engine_config = engine_config or EngineConfig(
             max_model_len=min(4096, self.target.config.max_position_embeddings))
+        proposer, pweights = build_proposer(self.method, self.target, self.drafter_path, block_size,
+                                            DTYPES[dtype], seed, engine_config.num_draft_tokens, ngram)
         tok = self.target.tokenizer
         eos = list(self.target.config.eos_token_ids)
         if tok is not None and tok.token_id(tok.eos_token) is not None:

@@ -16,7 +16,7 @@ from specjax.drafter.loader import drafter_config_for, init_drafter
 from specjax.engine.engine import LLMEngine
 from specjax.model.loader import load_model
 from specjax.sampling import SamplingParams
-from specjax.spec.proposer import DFlashProposer, NoProposer
+from specjax.spec.proposer import DFlashProposer, HostProposer, NgramProposer, NoProposer
 from specjax.spec.reference import dflash_reference_proposer, reference_generate
 from tests.helpers import random_prompt
 
@@ -77,6 +77,16 @@ def test_dflash_greedy_equals_plain_decoding(setup, ar_greedy, block_size):
         assert all(1 <= t <= block_size for t in s.stats.acceptance_lengths)
 
 
+@pytest.mark.parametrize("k", [2, 5])
+def test_ngram_greedy_equals_plain_decoding(setup, ar_greedy, k):
+    target, _, _, prompts = setup
+    outs, params = ar_greedy
+    # Repetitive prompts so that lookups hit: the random tiny model often loops as well.
+    seqs, _ = run(target, NgramProposer(max_draft_tokens=k), None, prompts, params, big_pool(page_size=4))
+    assert [s.output_ids for s in seqs] == outs
+    assert any(t > 1 for s in seqs for t in s.stats.acceptance_lengths)
+
+
 def test_dflash_tiny_page_pool_preempts_and_stays_lossless(setup, ar_greedy):
     target, dcfg, dweights, prompts = setup
     outs, params = ar_greedy
@@ -100,22 +110,16 @@ def test_engine_drafts_equal_reference_loop(setup, ar_greedy):
         assert seq.stats.acceptance_lengths == taus
 
 
-class NoisyOracle:
+class NoisyOracle(HostProposer):
     """Host proposer that knows plain greedy's continuation and corrupts each draft with probability 0.35:
     every accepted length 0..K occurs, so the acceptance and rollback paths all run."""
 
-    name, on_device, tap_indices = "noisy-oracle", False, ()
+    name = "noisy-oracle"
 
     def __init__(self, prompts, outs, k, seed=0):
         self.full = {tuple(p): p + o for p, o in zip(prompts, outs)}
         self.max_draft_tokens = k
         self.rng = np.random.default_rng(seed)
-
-    def init_state(self, *a, **kw):
-        return None
-
-    def observe(self, params, taps, positions):
-        return None
 
     def host_propose(self, token_ids, k):
         full = next(f for p, f in self.full.items() if tuple(token_ids[:len(p)]) == p)

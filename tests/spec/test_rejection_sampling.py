@@ -18,6 +18,8 @@ from specjax.config import EngineConfig
 from specjax.engine.engine import LLMEngine
 from specjax.model.loader import load_hf_dir
 from specjax.sampling import SAMPLE, SAMPLE_FILTERED, SamplingParams
+from specjax.drafter.loader import drafter_config_for, init_drafter
+from specjax.spec.proposer import DFlashProposer, HostProposer, NgramProposer
 from specjax.spec.reference import full_forward
 from specjax.spec.verify import accept
 from tests.helpers import make_hf_checkpoint
@@ -83,20 +85,14 @@ def test_top_k_one_equals_greedy():
     np.testing.assert_array_equal(np.asarray(toks)[:, 0], np.asarray(logits).argmax(-1)[:, 0])
 
 
-class ArgmaxChain:
+class ArgmaxChain(HostProposer):
     """Host proposer drafting the target's own argmax chain: at T > 0 these drafts are accepted often but not
     always, so the end-to-end test covers acceptance, rejection with residual, and the bonus token."""
 
-    name, on_device, tap_indices = "argmax-chain", False, ()
+    name = "argmax-chain"
 
     def __init__(self, weights, cfg, k):
         self.weights, self.cfg, self.max_draft_tokens = weights, cfg, k
-
-    def init_state(self, *a, **kw):
-        return None
-
-    def observe(self, params, taps, positions):
-        return None
 
     def host_propose(self, token_ids, k):
         seq = list(token_ids)
@@ -107,7 +103,8 @@ class ArgmaxChain:
 
 
 @pytest.mark.slow
-def test_engine_sampling_matches_exact_target_distribution(tmp_path):
+@pytest.mark.parametrize("method", ["argmax-chain", "ngram", "dflash"])
+def test_engine_sampling_matches_exact_target_distribution(tmp_path, method):
     path = make_hf_checkpoint("llama", str(tmp_path / "v16"), seed=4, vocab_size=16, bos_token_id=0, eos_token_id=15)
     target = load_hf_dir(path)
     w, cfg = target.weights, target.config
@@ -132,8 +129,15 @@ def test_engine_sampling_matches_exact_target_distribution(tmp_path):
     assert abs(exact.sum() - 1) < 1e-5
 
     n = 2000
-    proposer = ArgmaxChain(w, cfg, k=3)
-    engine = LLMEngine(cfg, w, proposer, None, EngineConfig(page_size=4, max_model_len=32, max_num_seqs=16))
+    pweights = None
+    if method == "argmax-chain":
+        proposer = ArgmaxChain(w, cfg, k=3)
+    elif method == "ngram":
+        proposer = NgramProposer(max_draft_tokens=3)
+    else:
+        dcfg = drafter_config_for(cfg, num_layers=1, block_size=4, target_layer_ids=(1, 2), mask_token_id=14)
+        proposer, pweights = DFlashProposer(dcfg, 4), init_drafter(dcfg, jax.random.PRNGKey(0), std=0.3)
+    engine = LLMEngine(cfg, w, proposer, pweights, EngineConfig(page_size=4, max_model_len=32, max_num_seqs=16))
     seqs = engine.generate([prompt] * n, [SamplingParams(seed=i, **params) for i in range(n)])
     samples = np.array([s.output_ids for s in seqs])
     taus = [t for s in seqs for t in s.stats.acceptance_lengths]

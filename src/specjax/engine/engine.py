@@ -160,8 +160,8 @@ class LLMEngine:
                     batch = ForwardBatch(jnp.zeros((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32),
                                          jnp.full((b, t), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32))
                     _, rows, prows = runner.prefill_step(
-                        self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.zeros(b, jnp.int32), sampling,
-                        tcfg=self.tcfg, proposer=self.proposer, mode=mode)
+                        self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.zeros(b, jnp.int32),
+                        jnp.zeros((b, t), jnp.int32), sampling, tcfg=self.tcfg, proposer=self.proposer, mode=mode)
                     self.kv, self.pstate = runner.commit(self.kv, self.pstate, batch.slots, rows, batch.slots, prows)
                     count += 1
                 for pg in sorted(decode_pages):
@@ -256,9 +256,12 @@ class LLMEngine:
         positions = np.zeros((b, t), np.int32)
         slots = np.full((b, t), -1, np.int32)
         last_index = np.zeros((b,), np.int32)
+        next_tokens = np.zeros((b, t), np.int32)
         for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
             n = len(chunk)
             tokens[i, :n] = chunk
+            following = seq.all_ids[seq.num_cached + 1:seq.num_cached + n + 1]
+            next_tokens[i, :n] = following + [-1] * (n - len(following))  # -1: the token sampled now
             positions[i, :n] = np.arange(seq.num_cached, seq.num_cached + n)
             slots[i, :n] = self._slots(seq, positions[i, :n])
             last_index[i] = n - 1
@@ -266,7 +269,7 @@ class LLMEngine:
         batch = ForwardBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(table))
         first, rows, prows = runner.prefill_step(
             self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.asarray(last_index),
-            self._sampling(seqs, b), tcfg=self.tcfg, proposer=self.proposer,
+            jnp.asarray(next_tokens), self._sampling(seqs, b), tcfg=self.tcfg, proposer=self.proposer,
             mode=sampler_mode([s.params for s in seqs]))
         self.kv, self.pstate = runner.commit(self.kv, self.pstate, batch.slots, rows, batch.slots, prows)
         first = np.asarray(first)

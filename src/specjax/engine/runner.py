@@ -42,11 +42,13 @@ class DecodeBatch:
 
 
 @partial(jax.jit, static_argnames=("tcfg", "proposer", "mode"))
-def prefill_step(tw, kv, pw, pstate, batch: tgt.ForwardBatch, last_index, sampling: SamplingBatch, *,
+def prefill_step(tw, kv, pw, pstate, batch: tgt.ForwardBatch, last_index, next_tokens, sampling: SamplingBatch, *,
                  tcfg: ModelConfig, proposer, mode: str):
     """Run prompt chunks [B, T]; sample the token after each row's `last_index` (used only for final chunks).
 
-    Returns (first_tokens [B], target rows, proposer rows): both sets of rows go to batch.slots.
+    `next_tokens` [B, T] is the token following each position (the next prompt token; -1 where it is the token
+    being sampled now, which is substituted on the device).  Returns (first_tokens [B], target rows, proposer
+    rows): both sets of rows go to batch.slots.
     """
     hidden, taps, rows = tgt.forward(tw, kv, batch, tcfg, proposer.tap_indices)
     last_hidden = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)  # [B, 1, D]
@@ -54,7 +56,8 @@ def prefill_step(tw, kv, pw, pstate, batch: tgt.ForwardBatch, last_index, sampli
     no_drafts = jnp.zeros((hidden.shape[0], 0), jnp.int32)
     _, tokens = accept(tgt.logits(tw, last_hidden), no_drafts, jnp.zeros_like(last_pos), last_pos,
                        sampling.temperature, sampling.top_k, sampling.top_p, sampling.seeds, mode)
-    return tokens[:, 0], rows, proposer.observe(pw, taps, batch.positions)
+    next_tokens = jnp.where(next_tokens < 0, tokens[:, :1], next_tokens)
+    return tokens[:, 0], rows, proposer.observe(pw, taps, batch.positions, next_tokens)
 
 
 @partial(jax.jit, static_argnames=("tcfg", "proposer", "num_draft", "mode"))
@@ -80,7 +83,8 @@ def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch
                                   sampling.temperature, sampling.top_k, sampling.top_p, sampling.seeds, mode)
     # Only the rows now part of the sequence (the old bonus and the accepted drafts) become proposer context.
     kept = jnp.arange(num_draft + 1)[None, :] <= num_accepted[:, None]
-    return (num_accepted, tokens, drafts, rows, proposer.observe(pw, taps, positions),
+    # tokens[:, j] is the target's token for position start + j + 1: the token following row j.
+    return (num_accepted, tokens, drafts, rows, proposer.observe(pw, taps, positions, tokens),
             jnp.where(kept, inputs.slots, -1))
 
 

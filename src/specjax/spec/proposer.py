@@ -6,10 +6,11 @@ functions) whose methods are pure functions of (params, state, inputs):
 
 * `init_state(num_pages, page_size)`  device state, e.g. the drafter's paged K/V (shares the target's page
   tables and slots) or None.
-* `observe(params, taps, positions)`  called with target hidden states (at `tap_indices`) of the tokens a
-  step processed; returns K/V rows (KVRows) that the engine writes into `state` at the slots of the tokens
-  that are now part of the sequence (the prompt after prefill, the accepted rows after verification; rejected
-  and padding rows get slot -1 and are never written).  None = nothing to write.
+* `observe(params, taps, positions, next_tokens)`  called with target hidden states (at `tap_indices`) of the
+  tokens a step processed and, for each row, the token that follows it (EAGLE-style drafters pair the hidden
+  state at p with the token at p + 1); returns rows (KVRows) that the engine writes into `state` at the slots
+  of the tokens that are now part of the sequence (the prompt after prefill, the accepted rows after
+  verification; rejected and padding rows get slot -1 and are never written).  None = nothing to write.
 * `propose(params, state, target, bonus, start, page_table, num_draft)`  -> int32 drafts [B, num_draft]
   for the tokens after `bonus` (which sits at position `start`).
 * Host proposers (n-gram) set `on_device = False` and implement `host_propose(token_ids, k)` instead.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.config import ConfigError, DrafterConfig
 from specjax.drafter import dflash
@@ -39,7 +41,7 @@ class NoProposer:
     def init_state(self, num_pages: int, page_size: int, dtype=jnp.float32):
         return None
 
-    def observe(self, params, taps, positions):
+    def observe(self, params, taps, positions, next_tokens):
         return None
 
     def propose(self, params, state, target, bonus, start, page_table, num_draft):
@@ -71,7 +73,7 @@ class DFlashProposer:
         return init_kv_pages(self.cfg.num_layers, num_pages, page_size, self.cfg.num_kv_heads, self.cfg.head_dim,
                              dtype)
 
-    def observe(self, params, taps, positions):
+    def observe(self, params, taps, positions, next_tokens):
         return dflash.observe(params, self.cfg, taps, positions)
 
     def propose(self, params, state, target, bonus, start, page_table, num_draft):
@@ -80,4 +82,48 @@ class DFlashProposer:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-__all__ = ["NoProposer", "DFlashProposer"]
+
+
+class HostProposer:
+    """Base for proposers that draft on the host from token ids (n-gram lookup, test oracles): no device state,
+    nothing to observe; `host_propose(token_ids, k)` returns up to k draft tokens for the continuation."""
+
+    on_device = False
+    tap_indices: tuple[int, ...] = ()
+
+    def init_state(self, num_pages: int, page_size: int, dtype=jnp.float32):
+        return None
+
+    def observe(self, params, taps, positions, next_tokens):
+        return None
+
+    def host_propose(self, token_ids: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class NgramProposer(HostProposer):
+    """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n from max_n down to min_n)
+    in prompt + output and propose the tokens that followed it.  Pure host work on token ids; the only device
+    sync per step is the one verification already needs."""
+
+    max_draft_tokens: int = 4
+    min_n: int = 1
+    max_n: int = 3
+    name: str = "ngram"
+
+    def __post_init__(self):
+        if not 1 <= self.min_n <= self.max_n:
+            raise ConfigError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
+        if self.max_draft_tokens < 1:
+            raise ConfigError(f"n-gram num_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+
+    def host_propose(self, token_ids, k: int) -> list[int]:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # every earlier n-gram
+            hits = np.nonzero((windows == ids[-n:]).all(axis=1))[0]
+            if len(hits):
+                start = int(hits[-1]) + n  # the most recent match; propose what followed it
+                return [int(t) for t in ids[start:start + k]]
+        return []

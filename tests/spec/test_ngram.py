@@ -1,0 +1,24 @@
+"""n-gram prompt lookup: what it proposes, and that it is lossless in the engine."""
+
+import pytest
+
+from specjax.config import ConfigError
+from specjax.spec.proposer import NgramProposer
+
+
+def test_proposes_what_followed_the_most_recent_longest_match():
+    p = NgramProposer(max_draft_tokens=3, min_n=1, max_n=3)
+    #           0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7]
+    assert p.host_propose(tokens, 3) == [2, 5, 6]  # "5 6 7" last seen at 4..6, followed by 2 5 6
+    assert p.host_propose([1, 2, 3, 9, 9, 3], 2) == [9, 9]  # falls back to n = 1 ("3" at index 2)
+    assert p.host_propose([1, 2, 3, 4], 2) == []  # no earlier occurrence
+    assert p.host_propose([4, 4], 3) == [4]  # cannot run past the end
+    assert NgramProposer(max_draft_tokens=2, min_n=2, max_n=2).host_propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]
+
+
+def test_invalid_ngram_settings():
+    with pytest.raises(ConfigError, match="1 <= min_n <= max_n"):
+        NgramProposer(min_n=3, max_n=2)
+    with pytest.raises(ConfigError, match="num_draft_tokens must be >= 1"):
+        NgramProposer(max_draft_tokens=0)
