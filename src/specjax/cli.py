@@ -243,6 +243,98 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    from specjax.bench.harness import add_comparisons, markdown_table, plot_bench, run_bench, summarize, warm_up
+    from specjax.config import EngineConfig
+    from specjax.datasets import load_eval
+    from specjax.llm import DTYPES, LLM
+    from specjax.model.loader import load_model
+    from specjax.sampling import SamplingParams
+
+    if args.quick:
+        args.num_prompts = args.num_prompts or 2
+        args.max_new_tokens = args.max_new_tokens or 64
+        args.datasets = args.datasets or "gsm8k,humaneval,mt_bench"
+    num_prompts, max_new = args.num_prompts or 10, args.max_new_tokens or 256
+    datasets_arg = args.datasets or "gsm8k,math500,humaneval,mbpp,mt_bench"
+    enable_compile_cache(args.compile_cache)
+    methods = args.methods.split(",")
+    if "ar" not in methods:
+        methods = ["ar"] + methods  # the baseline every speedup is measured against
+    target = load_model(args.model, DTYPES[args.dtype])
+    datasets = {name: load_eval(name, args.data_dir, args.data_file)[:num_prompts] for name in datasets_arg.split(",")}
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=max_new, seed=args.seed)
+    llms = {}
+    for m in methods:
+        cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=args.num_draft_tokens
+                           if m != "ar" else None)
+        llms[m] = LLM(args.model, args.drafter if m == "dflash" else None, m, args.block_size, cfg, args.dtype,
+                      target=target)
+    all_prompts = [p for ps in datasets.values() for p in ps]
+    print(f"warming up {len(llms)} methods (compiling every step shape once)...", file=sys.stderr)
+    for llm in llms.values():
+        warm_up(llm, all_prompts, params)
+    total = sum(len(ps) for ps in datasets.values()) * len(llms)
+    bar = tqdm(total=total, unit="gen", dynamic_ncols=True, file=sys.stderr)
+    t0 = time.perf_counter()
+    runs = run_bench(llms, datasets, params, progress=lambda m, d: (bar.update(1), bar.set_postfix(ds=d, m=m)))
+    bar.close()
+    block = {m: getattr(llm.engine.proposer, "block_size", None) for m, llm in llms.items()}
+    records = [summarize(r, block[r.method]) for r in runs]
+    add_comparisons(records, params.is_greedy)
+    for r in records:
+        r["num_draft_tokens"] = llms[r["method"]].engine.num_draft
+    print(markdown_table(records))
+    record = {"kind": "bench", "wall_s": time.perf_counter() - t0, "machine": machine_info(),
+              "config": {"methods": methods, "datasets": list(datasets), "num_prompts": num_prompts,
+                         "max_new_tokens": max_new, "temperature": args.temperature, "block_size": args.block_size,
+                         "num_draft_tokens": args.num_draft_tokens, "model": target.source,
+                         "drafter": llms["dflash"].drafter_path if "dflash" in llms else None,
+                         "command": " ".join(sys.argv)},
+              "records": records}
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "bench.json"), "w") as fh:
+            json.dump(record, fh)
+        plot_bench(records, os.path.join(args.out_dir, "bench_"))
+    print(json.dumps({r["dataset"] + "/" + r["method"]: {"tau": r["tau"], "speedup": r["speedup_vs_ar"],
+                                                          "tok_per_s": r["decode_tokens_per_s"]} for r in records}))
+    return 0
+
+
+def cmd_analyze_theory(args) -> int:
+    from specjax.bench.theory import analyze, plot_theory
+
+    with open(args.bench) as fh:
+        bench = json.load(fh)
+    kflat = None
+    if args.kflat:
+        with open(args.kflat) as fh:
+            kflat = json.load(fh)
+    rows = analyze(bench, kflat, args.max_k)
+    if not rows:
+        print("specjax: error: no speculative records with acceptance traces in " + args.bench, file=sys.stderr)
+        return 2
+    print("| dataset | method | K used | tau measured | alpha (geometric fit) | E[tau] geometric at K | "
+          "E[tau] K=16 | E[tau] K=64 | recommended K | predicted speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        rec = f"{r['recommended_k']} | {r['recommended_speedup']:.2f}x" if "recommended_k" in r else "- | -"
+        print(f"| {r['dataset']} | {r['method']} | {r['k_used']} | {r['tau_measured']:.2f} | {r['alpha']:.3f} | "
+              f"{r['tau_geometric_at_k_used']:.2f} | {r['tau_empirical'][15]:.2f} | {r['tau_empirical'][63]:.2f} | "
+              f"{rec} |")
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "theory.json"), "w") as fh:
+            json.dump({"kind": "theory", "bench": args.bench, "kflat": args.kflat, "rows": rows}, fh)
+        plot_theory(rows, os.path.join(args.out_dir, "theory.png"))
+    print(json.dumps({f"{r['dataset']}/{r['method']}": {"alpha": round(r["alpha"], 4),
+                                                        "recommended_k": r.get("recommended_k")} for r in rows}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -323,6 +415,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--compile-cache", default=DEFAULT_CACHE)
     t.set_defaults(func=cmd_train_drafter)
 
+    b = sub.add_parser("bench", help="tau, acceptance, TPOT and speedup per dataset x method, in one run")
+    b.add_argument("--methods", default="ar,dflash,ngram")
+    b.add_argument("--datasets", default=None, help="default gsm8k,math500,humaneval,mbpp,mt_bench")
+    b.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 10)")
+    b.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
+    b.add_argument("--quick", action="store_true", help="a few minutes on a CPU: 2 prompts, 64 tokens, 3 datasets")
+    b.add_argument("--model", default=None)
+    b.add_argument("--drafter", default=None)
+    b.add_argument("--block-size", type=int, default=None)
+    b.add_argument("--num-draft-tokens", type=int, default=None)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    b.add_argument("--max-model-len", type=int, default=2048)
+    b.add_argument("--data-dir", default=None)
+    b.add_argument("--data-file", default=None, help="one JSONL file (with a single --datasets entry)")
+    b.add_argument("--out-dir", default=None, help="write bench.json and PNG plots here")
+    b.add_argument("--compile-cache", default=DEFAULT_CACHE)
+    b.set_defaults(func=cmd_bench)
+
     a = sub.add_parser("analyze", help="analyses: kflat (verify cost vs tokens per forward)")
     asub = a.add_subparsers(dest="analysis", required=True)
     k = asub.add_parser("kflat", help="time one target verify forward for q tokens; t(q)/t(1) is the headline")
@@ -337,6 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out-dir", default=None, help="write kflat.json and kflat.png here")
     k.add_argument("--compile-cache", default=DEFAULT_CACHE)
     k.set_defaults(func=cmd_analyze_kflat)
+    th = asub.add_parser("theory", help="fit per-position acceptance from a bench JSON, predict tau(K), speedup(K)")
+    th.add_argument("--from", dest="bench", required=True, help="bench.json written by `specjax bench`")
+    th.add_argument("--kflat", default=None, help="kflat.json for predicted speedup(K) and the recommended K")
+    th.add_argument("--max-k", type=int, default=64)
+    th.add_argument("--out-dir", default=None)
+    th.set_defaults(func=cmd_analyze_theory)
     return parser
 
 

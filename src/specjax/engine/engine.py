@@ -140,18 +140,21 @@ class LLMEngine:
                 on_step(outputs)
         return [self.seqs[i] for i in ids]
 
-    def warmup(self, prompt_len: int, total_len: int, batch_sizes=(1,), modes=(GREEDY,)) -> int:
-        """Compile the step shapes a request of `prompt_len` growing to `total_len` tokens will use (with dummy
-        inputs whose slots are all -1, so the caches are untouched).  Returns the number of shapes run."""
+    def warmup(self, prompt_lens, total_len: int, batch_sizes=(1,), modes=(GREEDY,)) -> int:
+        """Compile the step shapes requests with prompts of `prompt_lens` (an int or a list) growing to
+        `total_len` tokens will use, with dummy inputs whose slots are all -1 (the caches are untouched).
+        Returns the number of shapes run."""
+        prompt_lens = [prompt_lens] if isinstance(prompt_lens, int) else list(prompt_lens)
         total_len = min(total_len, self.config.max_model_len)
         k, chunk = self.num_draft, self.config.prefill_chunk
         prefill_shapes = set()
-        for start in range(0, prompt_len, chunk):
-            n = min(chunk, prompt_len - start)
-            prefill_shapes.add((pick_bucket(n, self.prefill_buckets),
-                                pick_bucket(self.allocator.pages_for(start + n), self.page_buckets)))
+        for prompt_len in prompt_lens:
+            for start in range(0, prompt_len, chunk):
+                n = min(chunk, prompt_len - start)
+                prefill_shapes.add((pick_bucket(n, self.prefill_buckets),
+                                    pick_bucket(self.allocator.pages_for(start + n), self.page_buckets)))
         decode_pages = {pick_bucket(self.allocator.pages_for(min(n + k, self.config.max_model_len)),
-                                    self.page_buckets) for n in range(prompt_len + 1, total_len + 1)}
+                                    self.page_buckets) for n in range(min(prompt_lens) + 1, total_len + 1)}
         count = 0
         for b in {pick_bucket(x, self.batch_buckets) for x in batch_sizes}:
             sampling = runner.SamplingBatch(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.int32))

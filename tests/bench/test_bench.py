@@ -1,0 +1,57 @@
+"""specjax bench / analyze: end-to-end on a tiny checkpoint, and the acceptance theory against known values."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specjax.bench.theory import analyze, expected_tau_geometric, fit_record
+from specjax.cli import main
+
+
+@pytest.mark.parametrize("alpha,k,expected", [(0.70, 3, 2.53), (0.80, 7, 4.16), (0.86, 15, 6.50), (0.90, 9, 6.51)])
+def test_expected_tau_matches_the_spec_table(alpha, k, expected):
+    assert expected_tau_geometric(alpha, k) == pytest.approx(expected, abs=0.01)
+
+
+def test_geometric_fit_recovers_alpha_from_synthetic_traces():
+    rng = np.random.default_rng(0)
+    alpha, k = 0.75, 7
+    traces = []
+    for _ in range(200):
+        steps = []
+        for _ in range(20):
+            a = 0
+            while a < k and rng.random() < alpha:
+                a += 1
+            steps.append(a + 1)
+        traces.append(steps)
+    fit = fit_record({"num_draft_tokens": k, "acceptance_lengths": traces})
+    assert fit["alpha"] == pytest.approx(alpha, abs=0.02)
+    assert fit["p"][0] == pytest.approx(alpha, abs=0.02) and fit["p"][2] == pytest.approx(alpha ** 3, abs=0.02)
+    kflat = {"results": [{"q": q, "median_s": 0.01 * (1 + 0.1 * (q - 1))} for q in (1, 2, 4, 8, 16)]}
+    [row] = analyze({"records": [{"dataset": "d", "method": "ngram", "num_draft_tokens": k,
+                                  "acceptance_lengths": traces}]}, kflat, max_k=15)
+    assert 1 <= row["recommended_k"] <= 15 and row["recommended_speedup"] > 1
+
+
+def test_bench_and_theory_cli_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", tiny_dirs["qwen3"], "--methods", "ar,ngram,dflash", "--drafter", "random:1",
+                 "--block-size", "4", "--datasets", "gsm8k,mt_bench", "--num-prompts", "1", "--max-new-tokens", "8",
+                 "--max-model-len", "1024", "--out-dir", str(out), "--compile-cache", ""]) == 0
+    stdout = capsys.readouterr().out
+    assert "| gsm8k | dflash |" in stdout and "| mt_bench | ngram |" in stdout
+    record = json.loads((out / "bench.json").read_text())
+    recs = {(r["dataset"], r["method"]): r for r in record["records"]}
+    assert recs[("mt_bench", "ar")]["num_requests"] == 2  # both turns
+    assert all(r["matches_ar"] for r in record["records"])  # greedy: every method reproduces plain decoding
+    assert recs[("gsm8k", "ar")]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert (out / "bench_speedup.png").exists() and (out / "bench_per_position.png").exists()
+    kflat = tmp_path / "kflat"
+    assert main(["analyze", "kflat", "--model", tiny_dirs["qwen3"], "--q", "1,2,4,8", "--context", "32",
+                 "--repeats", "2", "--out-dir", str(kflat), "--compile-cache", ""]) == 0
+    assert main(["analyze", "theory", "--from", str(out / "bench.json"), "--kflat", str(kflat / "kflat.json"),
+                 "--out-dir", str(tmp_path / "theory")]) == 0
+    assert "recommended K" in capsys.readouterr().out
+    assert (tmp_path / "theory" / "theory.png").exists()
