@@ -335,6 +335,60 @@ def cmd_analyze_theory(args) -> int:
     return 0
 
 
+def build_server(args):
+    """(app, service, llm) for `specjax serve` and `specjax bench-serve`."""
+    from specjax.config import EngineConfig
+    from specjax.llm import LLM
+    from specjax.sampling import GREEDY, SAMPLE, SAMPLE_FILTERED
+    from specjax.serve.api import create_app
+    from specjax.serve.metrics import Metrics
+    from specjax.serve.service import EngineService
+
+    cfg = EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       num_pages=args.num_pages, num_draft_tokens=args.num_draft_tokens,
+                       adaptive_k=args.adaptive_k and args.method != "ar", prefill_chunk=args.prefill_chunk)
+    llm = LLM(args.model, args.drafter, args.method, args.block_size, cfg, dtype=args.dtype,
+              ngram=tuple(int(x) for x in args.ngram.split(",")))
+    if args.warmup:
+        t0 = time.perf_counter()
+        modes = (GREEDY, SAMPLE, SAMPLE_FILTERED) if args.warmup_sampling else (GREEDY,)
+        n = llm.engine.warmup_all(modes=modes)
+        print(f"[warm-up: {n} step shapes compiled/loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+    service = EngineService(llm.engine, llm.target.tokenizer,
+                            Metrics(max(1, llm.engine.num_draft)))
+    name = args.served_model_name or os.path.basename(str(llm.target.source)).removesuffix(".gguf")
+    return create_app(service, name, args.default_max_tokens), service, llm
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    enable_compile_cache(args.compile_cache)
+    app, service, llm = build_server(args)
+    service.start()
+    print(f"serving {llm.target.source} ({llm.method}) on http://{args.host}:{args.port}", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        service.stop()
+    return 0
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.set_defaults(max_model_len=2048)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch")
+    p.add_argument("--num-pages", type=int, default=0, help="KV pool pages (0 = max_num_seqs full sequences)")
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose the number of drafts per step with a measured cost model (default on)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every step shape at start-up (default on)")
+    p.add_argument("--warmup-sampling", action="store_true", help="also compile the sampling variants at start-up")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--default-max-tokens", type=int, default=256)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -434,6 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out-dir", default=None, help="write bench.json and PNG plots here")
     b.add_argument("--compile-cache", default=DEFAULT_CACHE)
     b.set_defaults(func=cmd_bench)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    add_server_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.set_defaults(func=cmd_serve)
 
     a = sub.add_parser("analyze", help="analyses: kflat (verify cost vs tokens per forward)")
     asub = a.add_subparsers(dest="analysis", required=True)

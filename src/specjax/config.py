@@ -366,6 +366,12 @@ class EngineConfig:
     """Smallest prefill token bucket (buckets double up to prefill_chunk)."""
     num_draft_tokens: int | None = None
     """Drafts verified per step (K); None = the proposer's maximum (block_size - 1 for DFlash)."""
+    adaptive_k: bool = False
+    """Choose K per step from k_options with a measured cost model (K = 0 = plain decoding)."""
+    k_options: tuple[int, ...] | None = None
+    """K values compiled for adaptive speculation; None = (0, K // 2, K)."""
+    max_prefill_seqs: int = 4
+    """Most sequences prefilled (one chunk each) in one step, alongside the decode step of the others."""
 
     def __post_init__(self):
         for name in ("page_size", "max_model_len", "max_num_seqs", "prefill_chunk", "min_prefill_bucket"):
@@ -375,6 +381,10 @@ class EngineConfig:
             raise ConfigError(f"engine num_pages must be >= 0, got {self.num_pages}")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
             raise ConfigError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        if self.max_prefill_seqs < 1:
+            raise ConfigError(f"max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
+        if self.k_options is not None and (not self.k_options or min(self.k_options) < 0):
+            raise ConfigError(f"k_options must be non-empty and >= 0, got {self.k_options}")
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -1,9 +1,11 @@
 """LLMEngine: requests in, tokens out.  Host bookkeeping around the jitted steps in engine/runner.py.
 
-step() = schedule (admit waiting requests by free pages) -> prefill chunks of newly admitted requests, or one
-speculative decode step for every running request -> commit tokens, check stop conditions, free pages.  When
-the pool runs out the most recently admitted request is preempted (pages freed, recomputed later); seeds are
-tied to positions, so recomputation reproduces the same tokens.
+step() = admit waiting requests by free pages -> one prefill chunk for up to `max_prefill_seqs` newly admitted
+requests AND one speculative decode step for every request already decoding (two device calls; prefill never
+stalls decoding for longer than one chunk) -> commit tokens, check stop conditions, free pages.  When the pool
+runs out the most recently admitted request is preempted (pages freed, recomputed later); seeds are tied to
+positions, so recomputation reproduces the same tokens.  With `adaptive_k` the number of drafts K is chosen per
+step by engine/controller.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from specjax.config import ConfigError, EngineConfig, ModelConfig
 from specjax.engine import runner
 from specjax.engine.buckets import pick_bucket, pow2_buckets
+from specjax.engine.controller import AdaptiveK
 from specjax.engine.sequence import Sequence, Status
 from specjax.kv.allocator import OutOfPages, PageAllocator
 from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages
@@ -57,6 +60,11 @@ class LLMEngine:
             raise ConfigError(f"num_draft_tokens={k} exceeds what {self.proposer.name} can draft "
                               f"({self.proposer.max_draft_tokens}; block_size - 1 for dflash)")
         self.num_draft = k
+        options = config.k_options if config.k_options is not None else (0, k // 2, k)
+        if max(options) > k:
+            raise ConfigError(f"k_options {options} exceed num_draft_tokens={k}")
+        self.k_options = tuple(sorted(set(options))) if config.adaptive_k else (k,)
+        self.controller = AdaptiveK(self.k_options, k) if config.adaptive_k and k else None
         if config.pool_pages < config.max_pages_per_seq + 1:
             raise ConfigError(f"num_pages={config.pool_pages} cannot hold one {config.max_model_len}-token sequence "
                               f"({config.max_pages_per_seq} pages of {config.page_size} + the scratch page)")
@@ -67,6 +75,7 @@ class LLMEngine:
                                 tcfg.head_dim, dtype)
         self.pstate = self.proposer.init_state(config.pool_pages, config.page_size, dtype)
         self.batch_buckets = pow2_buckets(1, config.max_num_seqs)
+        self.prefill_batch_buckets = pow2_buckets(1, min(config.max_prefill_seqs, config.max_num_seqs))
         self.page_buckets = pow2_buckets(1, config.max_pages_per_seq)
         self.prefill_buckets = pow2_buckets(min(config.min_prefill_bucket, config.prefill_chunk), config.prefill_chunk)
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -75,6 +84,10 @@ class LLMEngine:
         self.next_id = 0
         self.rng = np.random.default_rng(seed)
         self.num_steps = {"prefill": 0, "decode": 0}
+        self.k_history: collections.Counter = collections.Counter()
+        self.last_decode: list[tuple[int, int, int]] = []  # (seq_id, drafts, accepted) of the latest decode step
+        self.last_k: int | None = None
+        self.num_preemptions = 0
         self.record_drafts = record_drafts
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -120,15 +133,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------------ stepping
     def step(self) -> list[StepOutput]:
+        self.last_decode = []
         self._admit()
-        prefilling = [s for s in self.running if s.is_prefilling]
+        outputs = []
+        prefilling = [s for s in self.running if s.is_prefilling][: self.config.max_prefill_seqs]
         if prefilling:
-            return self._prefill(prefilling)
-        if self.running:
-            return self._decode()
-        if self.waiting:
+            outputs += self._prefill(prefilling)
+        decoding = [s for s in self.running if not s.is_prefilling]
+        if decoding:
+            outputs += self._decode()
+        if not outputs and not prefilling and self.waiting and not self.running:
             raise RuntimeError("waiting requests cannot be admitted although nothing is running (pool too small)")
-        return []
+        return outputs
 
     def generate(self, prompts, params=None, on_step=None) -> list[Sequence]:
         """Run requests to completion; `on_step(outputs)` sees every step's new tokens (for streaming)."""
@@ -140,53 +156,73 @@ class LLMEngine:
                 on_step(outputs)
         return [self.seqs[i] for i in ids]
 
+    # ------------------------------------------------------------------------------------------------ warm-up
+    def _run_prefill(self, b: int, t: int, pg: int, mode: str) -> None:
+        sampling = self._sampling([], b)
+        batch = ForwardBatch(jnp.zeros((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32),
+                             jnp.full((b, t), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32))
+        _, rows, prows = runner.prefill_step(
+            self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.zeros(b, jnp.int32),
+            jnp.zeros((b, t), jnp.int32), sampling, tcfg=self.tcfg, proposer=self.proposer, mode=mode)
+        self.kv, self.pstate = runner.commit(self.kv, self.pstate, batch.slots, rows, batch.slots, prows)
+
+    def _run_decode(self, b: int, k: int, pg: int, mode: str) -> float:
+        inputs = runner.DecodeBatch(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32),
+                                    jnp.full((b, k + 1), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32),
+                                    jnp.zeros(b, jnp.int32), jnp.zeros((b, k), jnp.int32))
+        t0 = time.perf_counter()
+        out = runner.decode_step(self.tweights, self.kv, self.pweights, self.pstate, inputs, self._sampling([], b),
+                                 tcfg=self.tcfg, proposer=self.proposer, num_draft=k, mode=mode)
+        self.kv, self.pstate = runner.commit(self.kv, self.pstate, inputs.slots, out[3], out[5], out[4])
+        jax.block_until_ready(out[0])
+        return time.perf_counter() - t0
+
     def warmup(self, prompt_lens, total_len: int, batch_sizes=(1,), modes=(GREEDY,)) -> int:
         """Compile the step shapes requests with prompts of `prompt_lens` (an int or a list) growing to
         `total_len` tokens will use, with dummy inputs whose slots are all -1 (the caches are untouched).
         Returns the number of shapes run."""
         prompt_lens = [prompt_lens] if isinstance(prompt_lens, int) else list(prompt_lens)
         total_len = min(total_len, self.config.max_model_len)
-        k, chunk = self.num_draft, self.config.prefill_chunk
-        prefill_shapes = set()
-        for prompt_len in prompt_lens:
-            for start in range(0, prompt_len, chunk):
-                n = min(chunk, prompt_len - start)
-                prefill_shapes.add((pick_bucket(n, self.prefill_buckets),
-                                    pick_bucket(self.allocator.pages_for(start + n), self.page_buckets)))
-        decode_pages = {pick_bucket(self.allocator.pages_for(min(n + k, self.config.max_model_len)),
+        chunk = self.config.prefill_chunk
+        tokens = {min(chunk, n - start) for n in prompt_lens for start in range(0, n, chunk)}
+        prefill_t = {pick_bucket(n, self.prefill_buckets) for n in tokens}
+        decode_pages = {pick_bucket(self.allocator.pages_for(min(n + max(self.k_options), self.config.max_model_len)),
                                     self.page_buckets) for n in range(min(prompt_lens) + 1, total_len + 1)}
+        return self._warm(sorted(prefill_t), sorted(decode_pages), batch_sizes, modes)
+
+    def warmup_all(self, modes=(GREEDY,)) -> int:
+        """Compile every shape this engine can produce (server start-up): no compilation after this."""
+        return self._warm(self.prefill_buckets, self.page_buckets, self.batch_buckets, modes)
+
+    def _warm(self, prefill_t, decode_pages, batch_sizes, modes) -> int:
         count = 0
-        for b in {pick_bucket(x, self.batch_buckets) for x in batch_sizes}:
-            sampling = runner.SamplingBatch(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.int32))
-            for mode in modes:
-                for t, pg in sorted(prefill_shapes):
-                    batch = ForwardBatch(jnp.zeros((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32),
-                                         jnp.full((b, t), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32))
-                    _, rows, prows = runner.prefill_step(
-                        self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.zeros(b, jnp.int32),
-                        jnp.zeros((b, t), jnp.int32), sampling, tcfg=self.tcfg, proposer=self.proposer, mode=mode)
-                    self.kv, self.pstate = runner.commit(self.kv, self.pstate, batch.slots, rows, batch.slots, prows)
+        full = pick_bucket(self.config.max_pages_per_seq, self.page_buckets)
+        for mode in modes:
+            for b in sorted({pick_bucket(min(x, self.prefill_batch_buckets[-1]), self.prefill_batch_buckets)
+                             for x in batch_sizes}):
+                for t in prefill_t:
+                    self._run_prefill(b, t, full, mode)
                     count += 1
-                for pg in sorted(decode_pages):
-                    inputs = runner.DecodeBatch(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32),
-                                                jnp.full((b, k + 1), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32),
-                                                jnp.zeros(b, jnp.int32), jnp.zeros((b, k), jnp.int32))
-                    out = runner.decode_step(self.tweights, self.kv, self.pweights, self.pstate, inputs, sampling,
-                                             tcfg=self.tcfg, proposer=self.proposer, num_draft=k, mode=mode)
-                    self.kv, self.pstate = runner.commit(self.kv, self.pstate, inputs.slots, out[3], out[5], out[4])
-                    count += 1
+            for b in sorted({pick_bucket(x, self.batch_buckets) for x in batch_sizes}):
+                for k in self.k_options:
+                    for pg in decode_pages:
+                        self._run_decode(b, k, pg, mode)
+                        seconds = self._run_decode(b, k, pg, mode)  # second run: compiled, timed
+                        if self.controller is not None and pg == max(decode_pages):
+                            self.controller.record_cost(b, k, seconds)
+                        count += 1
         jax.block_until_ready(self.kv)
         return count
 
     # ------------------------------------------------------------------------------------------------ schedule
     def _step_tokens(self, seq: Sequence) -> int:
         """KV capacity (tokens) a running sequence needs for its next decode step."""
-        return min(seq.num_tokens + self.num_draft, self.config.max_model_len)
+        return min(seq.num_tokens + max(self.k_options), self.config.max_model_len)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            need = min(seq.prefill_len + 1 + self.num_draft, self.config.max_model_len)
+            need = min(seq.prefill_len + 1 + max(self.k_options), self.config.max_model_len)
             reserve = sum(max(0, self.allocator.pages_for(self._step_tokens(s)) - len(self.allocator.pages_of(
                 s.seq_id))) for s in self.running)
             if self.allocator.pages_for(need) + reserve > self.allocator.num_free:
@@ -203,6 +239,7 @@ class LLMEngine:
         victim.num_cached = 0
         victim.status = Status.WAITING
         victim.stats.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
@@ -250,11 +287,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------------ prefill
     def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
-        seqs = seqs[: self.config.max_num_seqs]
         chunks = [seq.all_ids[seq.num_cached:min(seq.prefill_len, seq.num_cached + self.config.prefill_chunk)]
                   for seq in seqs]
         t = pick_bucket(max(len(c) for c in chunks), self.prefill_buckets)
-        b = pick_bucket(len(seqs), self.batch_buckets)
+        b = pick_bucket(len(seqs), self.prefill_batch_buckets)
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((b, t), np.int32)
         slots = np.full((b, t), -1, np.int32)
@@ -268,7 +304,9 @@ class LLMEngine:
             positions[i, :n] = np.arange(seq.num_cached, seq.num_cached + n)
             slots[i, :n] = self._slots(seq, positions[i, :n])
             last_index[i] = n - 1
-        table = self._page_table(seqs, b, max(s.num_cached + len(c) for s, c in zip(seqs, chunks)))
+        # Prefill reads the full page-table width: one shape per (batch, tokens) bucket, and prefill is
+        # compute-bound, so gathering a few unused pages costs little.
+        table = self._page_table(seqs, b, self.config.max_model_len)
         batch = ForwardBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(table))
         first, rows, prows = runner.prefill_step(
             self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.asarray(last_index),
@@ -288,12 +326,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------------ decode
     def _decode(self) -> list[StepOutput]:
-        k = self.num_draft
-        for seq in list(self.running):
+        for seq in [s for s in self.running if not s.is_prefilling]:
             if seq in self.running:
                 self._grow_or_preempt(seq, self._step_tokens(seq))
-        seqs = list(self.running)
+        seqs = [s for s in self.running if not s.is_prefilling]
+        if not seqs:
+            return []
         b = pick_bucket(len(seqs), self.batch_buckets)
+        k = self.controller.choose(b, len(seqs)) if self.controller is not None else self.k_options[0]
+        self.k_history[k] += 1
+        self.last_k = k
         bonus = np.zeros((b,), np.int32)
         start = np.zeros((b,), np.int32)
         slots = np.full((b, k + 1), -1, np.int32)
@@ -311,16 +353,22 @@ class LLMEngine:
         table = self._page_table(seqs, b, max(self._step_tokens(s) for s in seqs))
         inputs = runner.DecodeBatch(jnp.asarray(bonus), jnp.asarray(start), jnp.asarray(slots), jnp.asarray(table),
                                     jnp.asarray(num_drafts), jnp.asarray(host_drafts))
+        t0 = time.perf_counter()
         num_accepted, tokens, drafts, rows, prows, pslots = runner.decode_step(
             self.tweights, self.kv, self.pweights, self.pstate, inputs, self._sampling(seqs, b), tcfg=self.tcfg,
             proposer=self.proposer, num_draft=k, mode=sampler_mode([s.params for s in seqs]))
         self.kv, self.pstate = runner.commit(self.kv, self.pstate, inputs.slots, rows, pslots, prows)
         num_accepted, tokens = np.asarray(num_accepted), np.asarray(tokens)
+        if self.controller is not None:
+            self.controller.record_cost(b, k, time.perf_counter() - t0)
         self.num_steps["decode"] += 1
+        self.last_decode = [(s.seq_id, int(num_drafts[i]), int(num_accepted[i])) for i, s in enumerate(seqs)]
         outputs = []
         for i, seq in enumerate(seqs):
             a = int(num_accepted[i])
             seq.stats.record(int(num_drafts[i]), a)
+            if self.controller is not None and num_drafts[i] == k:
+                self.controller.record_acceptance(k, a)
             if seq.stats.draft_log is not None:
                 seq.stats.draft_log.append([int(d) for d in np.asarray(drafts)[i, :num_drafts[i]]])
             seq.num_cached = seq.start + a + 1  # old bonus + accepted drafts; the new bonus has no K/V yet

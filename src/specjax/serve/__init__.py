@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP serving: engine thread, request protocol, Prometheus metrics."""

@@ -1,0 +1,66 @@
+"""Prometheus metrics of one server instance (its own registry: no module-level global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+
+
+class Metrics:
+    def __init__(self, max_positions: int):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("specjax_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.rejected = Counter("specjax_rejected_requests", "Requests rejected with HTTP 400", registry=r)
+        self.prompt_tokens = Counter("specjax_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("specjax_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("specjax_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("specjax_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("specjax_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.verify_steps = Counter("specjax_spec_decode_num_drafts", "Sequence-steps that verified drafts",
+                                    registry=r)
+        self.draft_tokens = Counter("specjax_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.accepted_tokens = Counter("specjax_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                       registry=r)
+        self.accepted_per_pos = Counter("specjax_spec_decode_num_accepted_tokens_per_pos",
+                                        "Drafts accepted at each position (1-based)", ["position"], registry=r)
+        self.drafted_per_pos = Counter("specjax_spec_decode_num_draft_tokens_per_pos",
+                                       "Drafts verified at each position (1-based)", ["position"], registry=r)
+        self.mean_acceptance_length = Gauge("specjax_spec_decode_mean_acceptance_length",
+                                            "Tokens committed per target forward (bonus counted), since start",
+                                            registry=r)
+        self.k_chosen = Counter("specjax_spec_decode_k_chosen", "Decode steps by number of drafts K", ["k"],
+                                registry=r)
+        self.kv_pages_used = Gauge("specjax_kv_pages_in_use", "KV pages owned by requests", registry=r)
+        self.kv_pages_total = Gauge("specjax_kv_pages_total", "KV pages in the pool (scratch page excluded)",
+                                    registry=r)
+        self.running = Gauge("specjax_num_requests_running", "Requests running", registry=r)
+        self.waiting = Gauge("specjax_num_requests_waiting", "Requests waiting for pages", registry=r)
+        self.preemptions = Counter("specjax_num_preemptions", "Requests preempted (recomputed later)", registry=r)
+        self._steps = 0
+        self._committed = 0
+        self.max_positions = max_positions
+
+    def record_decode(self, records: list[tuple[int, int, int]], k: int | None) -> None:
+        """records: (seq_id, drafts, accepted) per sequence of one decode step."""
+        if k is not None:
+            self.k_chosen.labels(k=str(k)).inc()
+        for _, drafts, accepted in records:
+            self._steps += 1
+            self._committed += accepted + 1
+            if drafts:
+                self.verify_steps.inc()
+                self.draft_tokens.inc(drafts)
+                self.accepted_tokens.inc(accepted)
+                for pos in range(1, min(drafts, self.max_positions) + 1):
+                    self.drafted_per_pos.labels(position=str(pos)).inc()
+                    if accepted >= pos:
+                        self.accepted_per_pos.labels(position=str(pos)).inc()
+        if self._steps:
+            self.mean_acceptance_length.set(self._committed / self._steps)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

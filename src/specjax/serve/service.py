@@ -1,0 +1,187 @@
+"""EngineService: one background thread owns the engine; HTTP handlers talk to it through queues.
+
+Handlers validate a request (read-only), then `submit` it; the engine thread adds it, steps the engine while
+anything is pending, detokenizes incrementally, applies stop strings (text past a stop string is never sent:
+the tail that could still start one is held back) and pushes events to the request's asyncio queue.  Aborts
+(client disconnects, stop strings) free the request's pages at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specjax.engine.engine import LLMEngine
+from specjax.model.tokenizer import StreamDecoder, Tokenizer
+from specjax.sampling import SamplingParams
+from specjax.serve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    decoder: StreamDecoder | None
+    seq_id: int | None = None
+    text: str = ""  # all text decoded so far
+    sent: int = 0  # characters of `text` already sent
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    completion_tokens: int = 0
+    done: bool = False
+
+
+class EngineService:
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer | None, metrics: Metrics, idle_sleep: float = 0.05):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.idle_sleep = idle_sleep
+        self.commands: queue.Queue = queue.Queue()
+        self.by_seq: dict[int, RequestState] = {}
+        self.by_request: dict[int, RequestState] = {}
+        self.ids = itertools.count(1)
+        self.thread: threading.Thread | None = None
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        metrics.kv_pages_total.set(engine.allocator.num_pages - 1)
+
+    # ------------------------------------------------------------------------------------------- API threads
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._loop, name="specjax-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.commands.put(("wake",))
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = ()) -> RequestState:
+        """Queue a validated request; events arrive on the returned state's `events` (asyncio) queue."""
+        state = RequestState(next(self.ids), list(prompt_ids), params, tuple(s for s in stop if s),
+                             asyncio.get_running_loop(), asyncio.Queue(),
+                             StreamDecoder(self.tokenizer) if self.tokenizer is not None else None)
+        self.commands.put(("add", state))
+        return state
+
+    def abort(self, state: RequestState) -> None:
+        if not state.done:
+            self.commands.put(("abort", state))
+
+    # ------------------------------------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # surface engine crashes to every waiting client instead of hanging them
+            log.exception("engine thread crashed")
+            self.error = e
+            for state in list(self.by_request.values()):
+                self._emit(state, Event("", [], True, "error"))
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                cmd = self.commands.get(timeout=self.idle_sleep) if block else self.commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if cmd[0] == "add":
+                state = cmd[1]
+                state.seq_id = self.engine.add_request(state.prompt_ids, state.params)
+                self.by_seq[state.seq_id] = state
+                self.by_request[state.request_id] = state
+                self.metrics.prompt_tokens.inc(len(state.prompt_ids))
+            elif cmd[0] == "abort":
+                state = cmd[1]
+                if state.seq_id is not None and not state.done:
+                    self.engine.abort(state.seq_id)
+                    self._finish(state, "abort", emit=False)
+
+    def _step(self) -> None:
+        preempted_before = self.engine.num_preemptions
+        outputs = self.engine.step()
+        self.metrics.record_decode(self.engine.last_decode, self.engine.last_k if self.engine.last_decode else None)
+        for out in outputs:
+            state = self.by_seq.get(out.seq_id)
+            if state is None or state.done:
+                continue
+            now = time.perf_counter()
+            if state.first_token is None and out.new_token_ids:
+                state.first_token = now
+                self.metrics.ttft.observe(now - state.arrival)
+            state.completion_tokens += len(out.new_token_ids)
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            delta_text = state.decoder.push(out.new_token_ids) if state.decoder else ""
+            if out.finished and state.decoder:
+                delta_text += state.decoder.flush()
+            state.text += delta_text
+            hit = self._find_stop(state)
+            if hit is not None:
+                state.text = state.text[:hit]
+                self.engine.abort(out.seq_id)
+                self._emit_text(state, out.new_token_ids, final=True)
+                self._finish(state, "stop")
+                continue
+            self._emit_text(state, out.new_token_ids, final=out.finished)
+            if out.finished:
+                self._finish(state, out.finish_reason)
+        self.metrics.preemptions.inc(self.engine.num_preemptions - preempted_before)
+        self.metrics.kv_pages_used.set(self.engine.allocator.num_used)
+        self.metrics.running.set(len(self.engine.running))
+        self.metrics.waiting.set(len(self.engine.waiting))
+
+    def _find_stop(self, state: RequestState) -> int | None:
+        hits = [state.text.find(s, max(0, state.sent - len(s) + 1)) for s in state.stop]
+        hits = [h for h in hits if h >= 0]
+        return min(hits) if hits else None
+
+    def _emit_text(self, state: RequestState, token_ids: list[int], final: bool) -> None:
+        """Send text that can no longer become part of a stop string (everything, when final)."""
+        hold = 0 if final else max((len(s) - 1 for s in state.stop), default=0)
+        upto = max(state.sent, len(state.text) - hold)
+        chunk = state.text[state.sent:upto]
+        state.sent = upto
+        if chunk or token_ids:
+            self._emit(state, Event(chunk, list(token_ids)))
+
+    def _finish(self, state: RequestState, reason: str | None, emit: bool = True) -> None:
+        state.done = True
+        self.by_seq.pop(state.seq_id, None)
+        self.by_request.pop(state.request_id, None)
+        self.engine.seqs.pop(state.seq_id, None)  # the engine keeps finished sequences until someone takes them
+        now = time.perf_counter()
+        self.metrics.requests.labels(finish_reason=reason or "unknown").inc()
+        self.metrics.e2e.observe(now - state.arrival)
+        if state.first_token is not None and state.completion_tokens > 1:
+            self.metrics.tpot.observe((now - state.first_token) / (state.completion_tokens - 1))
+        if emit:
+            self._emit(state, Event("", [], True, reason, len(state.prompt_ids), state.completion_tokens))
+
+    @staticmethod
+    def _emit(state: RequestState, event: Event) -> None:
+        state.loop.call_soon_threadsafe(state.events.put_nowait, event)

@@ -1,0 +1,55 @@
+"""Adaptive speculation: the controller's choice, and losslessness when K changes from step to step."""
+
+import jax
+
+from specjax.config import EngineConfig
+from specjax.drafter.loader import drafter_config_for, init_drafter
+from specjax.engine.controller import AdaptiveK
+from specjax.engine.engine import LLMEngine
+from specjax.model.loader import load_model
+from specjax.sampling import GREEDY, SamplingParams
+from specjax.spec.proposer import DFlashProposer
+from tests.helpers import random_prompt
+
+
+def test_controller_turns_speculation_off_when_it_does_not_pay():
+    c = AdaptiveK((0, 3, 7), 7, explore_every=1000)
+    for k, t in [(0, 1.0), (3, 1.6), (7, 2.2)]:
+        c.record_cost(1, k, t)
+    for _ in range(200):
+        c.record_acceptance(7, 0)  # drafts never accepted
+    assert c.choose(1, 1) == 0
+    for _ in range(2000):
+        c.record_acceptance(7, 7)  # everything accepted: tau(7) = 8 for 2.2x the cost
+    assert c.choose(1, 1) == 7
+    c.record_cost(8, 0, 1.0)
+    c.record_cost(8, 3, 5.0)
+    c.record_cost(8, 7, 9.0)  # at a big batch verification is expensive: 8 / 9 < 1 / 1
+    assert c.choose(8, 8) == 0
+
+
+def test_controller_explores_and_keeps_estimates_monotone():
+    c = AdaptiveK((0, 7), 7, explore_every=4)
+    c.record_cost(1, 0, 1.0)
+    c.record_cost(1, 7, 100.0)
+    picks = [c.choose(1, 1) for _ in range(8)]
+    assert picks.count(7) == 2 and picks.count(0) == 6
+    c.record_acceptance(7, 3)
+    p = c.per_position()
+    assert all(a >= b for a, b in zip(p, p[1:]))
+
+
+def test_adaptive_engine_is_lossless_and_uses_several_k(tiny_dirs):
+    target = load_model(tiny_dirs["qwen3"])
+    dcfg = drafter_config_for(target.config, num_layers=1, block_size=8, target_layer_ids=(0, 2), mask_token_id=299)
+    dw = init_drafter(dcfg, jax.random.PRNGKey(0))
+    prompts = [random_prompt(__import__("numpy").random.default_rng(i), 5 + 3 * i) for i in range(4)]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    base = LLMEngine(target.config, target.weights, config=EngineConfig(max_model_len=64, page_size=4))
+    expected = [s.output_ids for s in base.generate(prompts, params)]
+    engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 8), dw,
+                       EngineConfig(max_model_len=64, page_size=4, max_num_seqs=4, adaptive_k=True))
+    engine.warmup_all(modes=(GREEDY,))
+    engine.controller.explore_every = 3
+    assert [s.output_ids for s in engine.generate(prompts, params)] == expected
+    assert len(engine.k_history) >= 2, engine.k_history  # a random drafter: K = 0 mostly, exploration at K = 7

@@ -1,0 +1,209 @@
+"""The OpenAI-compatible server, live on 127.0.0.1: the official `openai` client, concurrency, disconnects,
+preemption and bad requests."""
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from specjax.config import EngineConfig
+from specjax.llm import LLM
+from specjax.sampling import GREEDY
+from specjax.serve.api import create_app
+from specjax.serve.metrics import Metrics
+from specjax.serve.service import EngineService
+
+MODEL = "tiny-qwen3"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_server(llm: LLM):
+    service = EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft)))
+    app = create_app(service, MODEL, default_max_tokens=16)
+    service.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", service
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        service.stop()
+
+
+def make_llm(tiny_dirs, **engine_kw):
+    cfg = dict(max_model_len=256, page_size=8, max_num_seqs=16, adaptive_k=False)
+    cfg.update(engine_kw)
+    llm = LLM(tiny_dirs["qwen3"], drafter="random:1", method="dflash", block_size=4, engine_config=EngineConfig(**cfg))
+    return llm
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs):
+    llm = make_llm(tiny_dirs)
+    llm.engine.warmup_all(modes=(GREEDY,))
+    with live_server(llm) as (url, service):
+        yield url, service
+
+
+def test_openai_client_chat_stream_and_completions(server):
+    import openai
+
+    url, service = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=12, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 12
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                            max_tokens=12, temperature=0, stream=True)
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(pieces) == chat.choices[0].message.content  # streamed = non-streamed (greedy)
+    comp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
+    assert comp.usage.completion_tokens <= 10 and comp.choices[0].text is not None
+    assert service.engine.allocator.num_used == 0
+
+
+def tokens_of(url, prompt, max_tokens=24, stream=True):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "return_token_ids": True, "ignore_eos": True}
+    return body
+
+
+async def stream_tokens(client: httpx.AsyncClient, url: str, body: dict) -> list[int]:
+    ids = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ids += json.loads(line[6:])["choices"][0].get("token_ids", [])
+    return ids
+
+
+def test_16_concurrent_streams_get_exactly_what_they_get_alone(server):
+    url, service = server
+    prompts = [f"request number {i}: " + "abc" * i for i in range(16)]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            alone = [await stream_tokens(client, url, tokens_of(url, p)) for p in prompts]
+            together = await asyncio.gather(*[stream_tokens(client, url, tokens_of(url, p)) for p in prompts])
+        return alone, together
+
+    alone, together = asyncio.run(main())
+    assert all(len(a) == 24 for a in alone)
+    assert together == alone
+    assert service.engine.allocator.num_used == 0
+
+
+def test_client_disconnect_frees_pages(server):
+    url, service = server
+    idle = service.engine.allocator.num_used
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {**tokens_of(url, "a long story", max_tokens=200)}
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                n = 0
+                async for line in r.aiter_lines():
+                    n += line.startswith("data: ")
+                    if n >= 3:
+                        break  # hang up mid-stream
+
+    asyncio.run(main())
+    deadline = time.time() + 20
+    while time.time() < deadline and (service.engine.allocator.num_used != idle or service.engine.has_unfinished()):
+        time.sleep(0.05)
+    assert service.engine.allocator.num_used == idle and not service.engine.has_unfinished()
+    assert 'finish_reason="abort"' in httpx.get(url + "/metrics").text
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"model": "nope", "prompt": "x"}, "model 'nope' does not exist"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -3}, "max_tokens must be at least 1"),
+    ({"model": MODEL, "prompt": "x", "temperature": 3.5}, "temperature must be between 0 and 2"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, r"top_p must be in \(0, 1\]"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, "only n=1 is supported"),
+    ({"model": MODEL, "prompt": "x" * 400}, "max_model_len=256"),
+    ({"model": MODEL}, "prompt: Field required"),
+    ({"model": MODEL, "messages": []}, "messages"),
+])
+def test_bad_requests_get_openai_style_400(server, body, match):
+    import re
+
+    url, service = server
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(url + path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and re.search(match, err["message"]), err
+    assert httpx.get(url + "/health").json() == {"status": "ok"}  # and the server keeps serving
+
+
+def test_malformed_json(server):
+    url, _ = server
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny-qwen3", "prompt": ', 
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+
+
+def test_metrics_exposes_acceptance_and_pages(server):
+    url, _ = server
+    httpx.post(url + "/v1/completions", json=tokens_of(url, "metrics please", stream=False), timeout=60)
+    text = httpx.get(url + "/metrics").text
+    for name in ("specjax_requests_total", "specjax_time_to_first_token_seconds_bucket",
+                 "specjax_time_per_output_token_seconds_bucket", "specjax_spec_decode_mean_acceptance_length",
+                 "specjax_spec_decode_num_accepted_tokens_per_pos_total", "specjax_spec_decode_num_draft_tokens_total",
+                 "specjax_kv_pages_in_use"):
+        assert name in text, name
+
+
+def test_stop_strings_cut_the_text(server):
+    url, _ = server
+    full = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "stop test", "max_tokens": 30,
+                                                     "temperature": 0, "ignore_eos": True}, timeout=60).json()
+    text = full["choices"][0]["text"]
+    stop = text[5:8]
+    if not stop or stop in text[:5]:
+        pytest.skip("generated text too short or repetitive for this check")
+    cut = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "stop test", "max_tokens": 30,
+                                                    "temperature": 0, "ignore_eos": True, "stop": [stop],
+                                                    "stream": False}, timeout=60).json()
+    assert cut["choices"][0]["text"] == text[:text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tiny_pool_preempts_and_outputs_are_identical(tiny_dirs):
+    llm = make_llm(tiny_dirs, num_pages=40, max_num_seqs=8)  # 39 pages x 8 tokens: ~1.2 requests at 256
+    prompts = [f"preempt {i} " * 4 for i in range(8)]
+
+    async def main(url):
+        async with httpx.AsyncClient(timeout=300) as client:
+            alone = [await stream_tokens(client, url, tokens_of(url, p, max_tokens=120)) for p in prompts[:3]]
+            together = await asyncio.gather(*[stream_tokens(client, url, tokens_of(url, p, max_tokens=120))
+                                              for p in prompts])
+        return alone, together
+
+    with live_server(llm) as (url, service):
+        alone, together = asyncio.run(main(url))
+        assert together[:3] == alone
+        assert service.engine.num_preemptions >= 1
+        assert service.engine.allocator.num_used == 0
