@@ -372,6 +372,8 @@ class EngineConfig:
     """K values compiled for adaptive speculation; None = (0, K // 2, K)."""
     max_prefill_seqs: int = 4
     """Most sequences prefilled (one chunk each) in one step, alongside the decode step of the others."""
+    page_bucket_factor: int = 2
+    """Growth factor of the KV-page buckets decode steps gather (4 = fewer shapes to compile, more padding)."""
 
     def __post_init__(self):
         for name in ("page_size", "max_model_len", "max_num_seqs", "prefill_chunk", "min_prefill_bucket"):
@@ -381,6 +383,8 @@ class EngineConfig:
             raise ConfigError(f"engine num_pages must be >= 0, got {self.num_pages}")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
             raise ConfigError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        if self.page_bucket_factor < 2:
+            raise ConfigError(f"page_bucket_factor must be >= 2, got {self.page_bucket_factor}")
         if self.max_prefill_seqs < 1:
             raise ConfigError(f"max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
         if self.k_options is not None and (not self.k_options or min(self.k_options) < 0):

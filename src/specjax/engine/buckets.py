@@ -17,11 +17,11 @@ def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
     return buckets[i]
 
 
-def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    """(smallest, 2*smallest, ..., largest), always ending exactly at `largest`."""
+def pow2_buckets(smallest: int, largest: int, factor: int = 2) -> tuple[int, ...]:
+    """(smallest, factor*smallest, ..., largest), always ending exactly at `largest`."""
     out, b = [], max(1, smallest)
     while b < largest:
         out.append(b)
-        b *= 2
+        b *= factor
     out.append(largest)
     return tuple(out)

@@ -76,7 +76,7 @@ class LLMEngine:
         self.pstate = self.proposer.init_state(config.pool_pages, config.page_size, dtype)
         self.batch_buckets = pow2_buckets(1, config.max_num_seqs)
         self.prefill_batch_buckets = pow2_buckets(1, min(config.max_prefill_seqs, config.max_num_seqs))
-        self.page_buckets = pow2_buckets(1, config.max_pages_per_seq)
+        self.page_buckets = pow2_buckets(1, config.max_pages_per_seq, config.page_bucket_factor)
         self.prefill_buckets = pow2_buckets(min(config.min_prefill_bucket, config.prefill_chunk), config.prefill_chunk)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []

@@ -20,6 +20,8 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("specjax_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS,
                              registry=r)
+        self.sequence_steps = Counter("specjax_decode_sequence_steps", "Decode steps summed over sequences",
+                                      registry=r)
         self.verify_steps = Counter("specjax_spec_decode_num_drafts", "Sequence-steps that verified drafts",
                                     registry=r)
         self.draft_tokens = Counter("specjax_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
@@ -50,6 +52,7 @@ class Metrics:
             self.k_chosen.labels(k=str(k)).inc()
         for _, drafts, accepted in records:
             self._steps += 1
+            self.sequence_steps.inc()
             self._committed += accepted + 1
             if drafts:
                 self.verify_steps.inc()

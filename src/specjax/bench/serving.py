@@ -1,0 +1,131 @@
+"""`specjax bench-serve`: throughput, TTFT/TPOT percentiles and acceptance per concurrency level, against the
+real HTTP server (in-process uvicorn on 127.0.0.1, streaming clients over httpx), the shape of the paper's
+SGLang table.  Each level runs `requests_per_level` requests with `concurrency` clients in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(app, service):
+    import uvicorn
+
+    service.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        service.stop()
+
+
+def scrape(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        m = re.match(r"^(specjax_[a-z_]+(?:_total)?)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+async def one_request(client, url, model, prompt, max_tokens):
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "return_token_ids": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"request failed with {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:])["choices"]
+            ids = choices[0].get("token_ids") if choices else None
+            if ids:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                n += len(ids)
+    return {"ttft": (first or time.perf_counter()) - t0, "tokens": n,
+            "tpot": (last - first) / (n - 1) if n > 1 else None}
+
+
+async def run_level(url, model, prompts, concurrency, num_requests, max_tokens):
+    queue = list(range(num_requests))
+    results = []
+
+    async def worker(client):
+        while queue:
+            i = queue.pop()
+            results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens))
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker(client) for _ in range(concurrency)])
+        wall = time.perf_counter() - t0
+    return results, wall
+
+
+def bench_level(url, model, prompts, concurrency, num_requests, max_tokens) -> dict:
+    before = scrape(url)
+    results, wall = asyncio.run(run_level(url, model, prompts, concurrency, num_requests, max_tokens))
+    after = scrape(url)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = delta.get("specjax_decode_sequence_steps_total", 0.0)
+    accepted = delta.get("specjax_spec_decode_num_accepted_tokens_total", 0.0)
+    ks = {k.split('"')[1]: v for k, v in delta.items() if k.startswith("specjax_spec_decode_k_chosen_total") and v}
+    ttft = [r["ttft"] for r in results]
+    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
+    pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else None  # noqa: E731
+    tokens = sum(r["tokens"] for r in results)
+    return {"concurrency": concurrency, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
+            "throughput_tok_s": tokens / wall, "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p90": pct(ttft, 90),
+            "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p90": pct(tpot, 90),
+            "tau": (accepted + steps) / steps if steps else None, "k_steps": ks}
+
+
+def plot_serving(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        rs = [r for r in rows if r["method"] == method]
+        cs = [r["concurrency"] for r in rs]
+        axes[0].plot(cs, [r["throughput_tok_s"] for r in rs], "o-", label=method)
+        axes[1].plot(cs, [r["tpot_ms_p50"] for r in rs], "o-", label=method)
+    for ax, lab in zip(axes, ["throughput (output tok/s)", "TPOT p50 (ms)"]):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(lab)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
