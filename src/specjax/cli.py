@@ -27,8 +27,9 @@ def enable_compile_cache(path: str | None) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
     p.add_argument("--drafter", default=None,
-                   help="DFlash drafter directory (z-lab format), or random[:LAYERS]; default: the shipped drafter")
-    p.add_argument("--method", default=None, choices=["ar", "dflash", "ngram"],
+                   help="drafter directory (DFlash z-lab format, or EAGLE-3 for --method eagle3), or random[:LAYERS];"
+                        " default: the shipped drafter")
+    p.add_argument("--method", default=None, choices=["ar", "dflash", "ngram", "eagle3"],
                    help="decoding method (default: dflash when a drafter is available, else ar)")
     p.add_argument("--ngram", default="1,3", help="n-gram lookup: min,max n (method ngram)")
     p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
@@ -75,7 +76,7 @@ def cmd_generate(args) -> int:
     print()
     s = res.stats
     decode_tokens = len(res.token_ids) - 1
-    desc = {"ar": "ar", "ngram": f"ngram (K={engine.num_draft})"}.get(
+    desc = {"ar": "ar", "ngram": f"ngram (K={engine.num_draft})", "eagle3": f"eagle3 (K={engine.num_draft})"}.get(
         llm.method, f"{llm.method} (block {getattr(engine.proposer, 'block_size', '-')}, K={engine.num_draft})")
     lines = [f"--- {desc} | load {load_s:.1f}s | prompt {len(ids)} tok | {len(res.token_ids)} new tok "
              f"({res.finish_reason}) | TTFT {res.ttft:.2f}s"]
@@ -270,8 +271,8 @@ def cmd_bench(args) -> int:
     for m in methods:
         cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=args.num_draft_tokens
                            if m != "ar" else None)
-        llms[m] = LLM(args.model, args.drafter if m == "dflash" else None, m, args.block_size, cfg, args.dtype,
-                      target=target)
+        drafter = {"dflash": args.drafter, "eagle3": args.eagle3_drafter}.get(m)
+        llms[m] = LLM(args.model, drafter, m, args.block_size, cfg, args.dtype, target=target)
     all_prompts = [p for ps in datasets.values() for p in ps]
     print(f"warming up {len(llms)} methods (compiling every step shape once)...", file=sys.stderr)
     for llm in llms.values():
@@ -292,6 +293,7 @@ def cmd_bench(args) -> int:
                          "max_new_tokens": max_new, "temperature": args.temperature, "block_size": args.block_size,
                          "num_draft_tokens": args.num_draft_tokens, "model": target.source,
                          "drafter": llms["dflash"].drafter_path if "dflash" in llms else None,
+                         "eagle3_drafter": llms["eagle3"].drafter_path if "eagle3" in llms else None,
                          "command": " ".join(sys.argv)},
               "records": records}
     if args.out_dir:
@@ -528,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
     b.add_argument("--quick", action="store_true", help="a few minutes on a CPU: 2 prompts, 64 tokens, 3 datasets")
     b.add_argument("--model", default=None)
-    b.add_argument("--drafter", default=None)
+    b.add_argument("--drafter", default=None, help="DFlash drafter (default: the shipped one)")
+    b.add_argument("--eagle3-drafter", default=None, help="EAGLE-3 drafter (default: the shipped one)")
     b.add_argument("--block-size", type=int, default=None)
     b.add_argument("--num-draft-tokens", type=int, default=None)
     b.add_argument("--temperature", type=float, default=0.0)

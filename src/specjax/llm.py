@@ -20,17 +20,17 @@ from specjax.engine.sequence import Sequence, SequenceStats
 from specjax.model.loader import LoadedModel, load_model
 from specjax.model.tokenizer import StreamDecoder
 from specjax.sampling import SamplingParams
-from specjax.spec.proposer import DFlashProposer, NgramProposer, NoProposer
+from specjax.spec.proposer import DFlashProposer, Eagle3Proposer, NgramProposer, NoProposer
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ar", "dflash", "ngram")
+METHODS = ("ar", "dflash", "ngram", "eagle3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def default_drafter_path() -> str | None:
-    """The DFlash drafter shipped for the embedded default model, if this install has one."""
-    path = os.path.join(os.path.dirname(__file__), "assets", "drafters", "smollm2-135m-instruct-dflash")
+def default_drafter_path(method: str = "dflash") -> str | None:
+    """The drafter shipped for the embedded default model (DFlash or EAGLE-3), if this install has one."""
+    path = os.path.join(os.path.dirname(__file__), "assets", "drafters", f"smollm2-135m-instruct-{method}")
     return path if os.path.isfile(os.path.join(path, "config.json")) else None
 
 
@@ -44,6 +44,20 @@ def build_proposer(method: str, target: LoadedModel, drafter: str | None, block_
         return NoProposer(), None
     if method == "ngram":
         return NgramProposer(max_draft_tokens=num_draft_tokens or 4, min_n=ngram[0], max_n=ngram[1]), None
+    if method == "eagle3":
+        from specjax.drafter.eagle3 import Eagle3Params
+        from specjax.drafter.eagle3_loader import eagle3_config_for, init_eagle3, load_eagle3
+
+        if drafter is None:
+            raise ConfigError("method eagle3 needs a drafter: pass --drafter DIR (EAGLE-3 checkpoint) or "
+                              "--drafter random")
+        if drafter.startswith("random"):
+            cfg = eagle3_config_for(target.config)
+            weights = init_eagle3(cfg, jax.random.PRNGKey(seed), dtype=dtype)
+        else:
+            cfg, weights = load_eagle3(drafter, target.config, dtype)
+        return (Eagle3Proposer(cfg, num_draft_tokens or 4),
+                Eagle3Params(drafter=weights, embed=target.weights.embed))
     if drafter is None:
         raise ConfigError("method dflash needs a drafter: pass --drafter DIR (z-lab format), or --drafter random "
                           "to measure overhead, or use --method ar")
@@ -82,10 +96,10 @@ class LLM:
         if dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r} (float32, bfloat16)")
         self.target = target or load_model(model, DTYPES[dtype])  # `target`: reuse an already loaded model
-        if drafter is None and method in (None, "dflash") and model in (None, "default"):
-            drafter = default_drafter_path()
+        if drafter is None and method in (None, "dflash", "eagle3") and model in (None, "default"):
+            drafter = default_drafter_path(method or "dflash")
         self.method = method or ("dflash" if drafter else "ar")
-        self.drafter_path = drafter if self.method == "dflash" else None
+        self.drafter_path = drafter if self.method in ("dflash", "eagle3") else None
         engine_config = engine_config or EngineConfig(
             max_model_len=min(4096, self.target.config.max_position_embeddings))
         proposer, pweights = build_proposer(self.method, self.target, self.drafter_path, block_size,

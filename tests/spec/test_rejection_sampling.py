@@ -19,7 +19,9 @@ from specjax.engine.engine import LLMEngine
 from specjax.model.loader import load_hf_dir
 from specjax.sampling import SAMPLE, SAMPLE_FILTERED, SamplingParams
 from specjax.drafter.loader import drafter_config_for, init_drafter
-from specjax.spec.proposer import DFlashProposer, HostProposer, NgramProposer
+from specjax.drafter.eagle3 import Eagle3Params
+from specjax.drafter.eagle3_loader import eagle3_config_for, init_eagle3
+from specjax.spec.proposer import DFlashProposer, Eagle3Proposer, HostProposer, NgramProposer
 from specjax.spec.reference import full_forward
 from specjax.spec.verify import accept
 from tests.helpers import make_hf_checkpoint
@@ -103,7 +105,7 @@ class ArgmaxChain(HostProposer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["argmax-chain", "ngram", "dflash"])
+@pytest.mark.parametrize("method", ["argmax-chain", "ngram", "dflash", "eagle3"])
 def test_engine_sampling_matches_exact_target_distribution(tmp_path, method):
     path = make_hf_checkpoint("llama", str(tmp_path / "v16"), seed=4, vocab_size=16, bos_token_id=0, eos_token_id=15)
     target = load_hf_dir(path)
@@ -134,6 +136,10 @@ def test_engine_sampling_matches_exact_target_distribution(tmp_path, method):
         proposer = ArgmaxChain(w, cfg, k=3)
     elif method == "ngram":
         proposer = NgramProposer(max_draft_tokens=3)
+    elif method == "eagle3":
+        ecfg = eagle3_config_for(cfg, aux_ids=(1, 2, 3))
+        proposer = Eagle3Proposer(ecfg, 3)
+        pweights = Eagle3Params(init_eagle3(ecfg, jax.random.PRNGKey(0), std=0.3), w.embed)
     else:
         dcfg = drafter_config_for(cfg, num_layers=1, block_size=4, target_layer_ids=(1, 2), mask_token_id=14)
         proposer, pweights = DFlashProposer(dcfg, 4), init_drafter(dcfg, jax.random.PRNGKey(0), std=0.3)

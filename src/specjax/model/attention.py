@@ -16,6 +16,7 @@ pool grew from 17 to 257 pages); split, the write is in place and the step cost 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -43,12 +44,14 @@ def write_pages(pool: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Arr
     return flat.at[:, idx].set(vals, mode="drop").reshape(pool.shape)
 
 
-def write_rows(pools, slots: jax.Array, rows: KVRows | None):
-    """Write a step's rows into every layer's pools (a KVPages-like pytree with .k/.v tuples) at `slots`."""
+def write_rows(pools, slots: jax.Array, rows):
+    """Write a step's rows into paged state at `slots`.  `pools` is a dataclass whose fields are tuples of
+    [K, P, Z, H] pools (KVPages: k, v); `rows` has the same fields holding [B, T, K, H] rows (KVRows)."""
     if rows is None:
         return pools
-    return type(pools)(k=tuple(write_pages(p, slots, r) for p, r in zip(pools.k, rows.k)),
-                       v=tuple(write_pages(p, slots, r) for p, r in zip(pools.v, rows.v)))
+    return type(pools)(**{f.name: tuple(write_pages(p, slots, r) for p, r in zip(getattr(pools, f.name),
+                                                                                   getattr(rows, f.name)))
+                          for f in dataclasses.fields(pools)})
 
 
 def gather_pages(pool: jax.Array, page_table: jax.Array) -> jax.Array:

@@ -127,3 +127,36 @@ class NgramProposer(HostProposer):
                 start = int(hits[-1]) + n  # the most recent match; propose what followed it
                 return [int(t) for t in ids[start:start + k]]
         return []
+
+
+@dataclass(frozen=True)
+class Eagle3Proposer:
+    """EAGLE-3 chain drafting: K sequential single-layer steps feeding the drafter's own hidden state back."""
+
+    cfg: "Eagle3Config"
+    max_draft_tokens: int = 4
+    name: str = "eagle3"
+    on_device: bool = True
+
+    def __post_init__(self):
+        if self.max_draft_tokens < 1:
+            raise ConfigError(f"eagle3 num_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+
+    @property
+    def tap_indices(self) -> tuple[int, ...]:
+        return self.cfg.hidden_state_indices
+
+    def init_state(self, num_pages: int, page_size: int, dtype=jnp.float32):
+        from specjax.drafter import eagle3
+
+        return eagle3.init_cache(self.cfg, num_pages, page_size, dtype)
+
+    def observe(self, params, taps, positions, next_tokens):
+        from specjax.drafter import eagle3
+
+        return eagle3.observe(params.drafter, self.cfg, params.embed, taps, positions, next_tokens)
+
+    def propose(self, params, state, target, bonus, start, page_table, num_draft):
+        from specjax.drafter import eagle3
+
+        return eagle3.propose(params.drafter, self.cfg, state, target.embed, bonus, start, page_table, num_draft)

@@ -1,0 +1,86 @@
+"""EAGLE-3: parity with a plain numpy statement of the same math, checkpoint round trip and errors, lossless."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.config import ConfigError, EngineConfig
+from specjax.drafter.eagle3 import Eagle3Params
+from specjax.drafter.eagle3_loader import eagle3_config_for, init_eagle3, load_eagle3, save_eagle3
+from specjax.engine.engine import LLMEngine
+from specjax.model.loader import CheckpointError, load_model
+from specjax.sampling import SamplingParams
+from specjax.spec.proposer import Eagle3Proposer
+from specjax.spec.reference import full_forward
+from tests.helpers import random_prompt
+from tests.reference import eagle3_numpy
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dirs, tmp_path_factory):
+    target = load_model(tiny_dirs["llama"])
+    vocab_ids = np.sort(np.random.default_rng(0).choice(300, size=120, replace=False))  # a reduced draft vocab
+    cfg = eagle3_config_for(target.config, draft_vocab_size=120, aux_ids=(1, 2, 3))
+    weights = init_eagle3(cfg, jax.random.PRNGKey(4), draft_token_ids=vocab_ids, std=0.15)
+    path = str(tmp_path_factory.mktemp("eagle3"))
+    save_eagle3(path, cfg, weights, target.config.num_layers)
+    cfg2, weights2 = load_eagle3(path, target.config)
+    assert cfg2 == cfg
+    return target, cfg2, weights2, path
+
+
+def test_engine_drafts_match_numpy_reference_every_step(setup):
+    target, cfg, weights, _ = setup
+    prompt = random_prompt(np.random.default_rng(2), 9)
+    engine = LLMEngine(target.config, target.weights, Eagle3Proposer(cfg, 3),
+                       Eagle3Params(weights, target.weights.embed),
+                       EngineConfig(page_size=4, max_model_len=64, max_num_seqs=1), record_drafts=True)
+    [seq] = engine.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    tokens = prompt + seq.output_ids
+    s = len(prompt)  # the first decode step's bonus position
+    _, taps = full_forward(target.weights, target.config, tokens, cfg.hidden_state_indices)
+    for drafts, tau in zip(seq.stats.draft_log, seq.stats.acceptance_lengths):
+        ref = eagle3_numpy.draft(weights, cfg, target.weights.embed, np.asarray(taps), tokens[:s + 1], len(drafts))
+        assert drafts == ref, f"step at s={s}"
+        s += tau
+    assert all(0 <= d < 300 for ds in seq.stats.draft_log for d in ds)
+
+
+def test_speculators_layout_and_errors(setup, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    target, cfg, weights, path = setup
+    alias = tmp_path / "spec"
+    shutil.copytree(path, alias)
+    tensors = load_file(str(alias / "model.safetensors"))
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+    renamed["embed_tokens.weight"] = np.zeros((300, 64), np.float32)  # a copy of the target's table: ignored
+    save_file(renamed, str(alias / "model.safetensors"))
+    cfg2, w2 = load_eagle3(str(alias), target.config)
+    np.testing.assert_array_equal(np.asarray(w2.w_q), np.asarray(weights.w_q))
+    del renamed["layers.0.mlp.up_proj.weight"]
+    save_file(renamed, str(alias / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing EAGLE-3 tensor 'midlayer.mlp.up_proj.weight'"):
+        load_eagle3(str(alias), target.config)
+    conf = json.loads((alias / "config.json").read_text())
+    (alias / "config.json").write_text(json.dumps({**conf, "vocab_size": 128256}))
+    with pytest.raises(ConfigError, match="EAGLE-3 vocab_size=128256 does not match the target's 300"):
+        load_eagle3(str(alias), target.config)
+
+
+def test_eagle3_is_lossless_greedy_and_seeded(setup):
+    target, cfg, weights, _ = setup
+    rng = np.random.default_rng(7)
+    prompts = [random_prompt(rng, n) for n in (3, 11, 20)]
+    for params in (SamplingParams(max_new_tokens=30, ignore_eos=True),
+                   SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)):
+        base = LLMEngine(target.config, target.weights, config=EngineConfig(page_size=4, max_model_len=64))
+        expected = [s.output_ids for s in base.generate(prompts, params)]
+        engine = LLMEngine(target.config, target.weights, Eagle3Proposer(cfg, 4),
+                           Eagle3Params(weights, target.weights.embed),
+                           EngineConfig(page_size=4, num_pages=30, max_model_len=64, max_num_seqs=3))
+        assert [s.output_ids for s in engine.generate(prompts, params)] == expected
+        assert engine.allocator.num_used == 0
