@@ -214,31 +214,50 @@ def cmd_regenerate(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
+    import numpy as np
+
     from specjax.datasets import load_eval
     from specjax.drafter.loader import drafter_config_for
     from specjax.llm import DTYPES
     from specjax.model.loader import load_model
     from specjax.train.store import TokenStore
-    from specjax.train.trainer import TrainConfig, train_drafter
+    from specjax.train.trainer import DFlashMethod, Eagle3Method, TrainConfig, train_drafter
 
     enable_compile_cache(args.compile_cache)
     target = load_model(args.target, DTYPES["float32"])
     store = TokenStore(args.data)
     ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None
-    dcfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block_size,
-                              target_layer_ids=ids, num_taps=args.num_taps,
-                              intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id)
     cfg = TrainConfig(block_size=args.block_size, batch_size=args.batch_size, num_anchors=args.num_anchors,
                       max_len=args.max_len, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
                       weight_decay=args.weight_decay, gamma=args.gamma, seed=args.seed, save_every=args.save_every,
                       eval_every=args.eval_every)
+    if args.method == "dflash":
+        dcfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block_size,
+                                  target_layer_ids=ids, num_taps=args.num_taps,
+                                  intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id)
+        method = DFlashMethod(dcfg, args.block_size, args.num_anchors, cfg.decay)
+    else:
+        from specjax.drafter.eagle3_loader import eagle3_config_for
+        from specjax.train.eagle3_objective import draft_vocab_from_counts
+
+        counts = np.zeros(target.config.vocab_size, np.int64)
+        for rec, toks in store.sequences():
+            counts += np.bincount(toks[rec["prompt_len"]:], minlength=target.config.vocab_size)
+        size = min(args.draft_vocab_size, target.config.vocab_size)
+        draft_ids = draft_vocab_from_counts(counts, size)
+        coverage = counts[draft_ids].sum() / max(1, counts.sum())
+        print(f"draft vocabulary: {size} tokens covering {100 * coverage:.2f}% of response tokens", file=sys.stderr)
+        ecfg = eagle3_config_for(target.config, draft_vocab_size=size, aux_ids=ids,
+                                 intermediate_size=args.intermediate_size)
+        method = Eagle3Method(ecfg, tuple(int(i) for i in draft_ids), target.config.num_layers, args.ttt_steps,
+                              args.num_draft_tokens)
     eval_sets = {}
     if args.eval_prompts > 0 and target.tokenizer is not None:
         for name in args.eval_datasets.split(","):
             prompts = load_eval(name, args.data_dir)[: args.eval_prompts]
             eval_sets[name] = [target.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}])
                                for p in prompts]
-    summary = train_drafter(target, store, args.out, dcfg, cfg, args.resume, eval_sets, args.eval_max_new_tokens,
+    summary = train_drafter(target, store, args.out, method, cfg, args.resume, eval_sets, args.eval_max_new_tokens,
                             args.save_dtype)
     print(json.dumps(summary))
     return 0
@@ -496,10 +515,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target", default="default")
     t.add_argument("--data", required=True, help="token store written by `specjax regenerate`")
     t.add_argument("--out", required=True)
-    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--method", default="dflash", choices=["dflash", "eagle3"])
+    t.add_argument("--layers", type=int, default=2, help="DFlash drafter layers")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--num-taps", type=int, default=5)
-    t.add_argument("--target-layer-ids", default=None)
+    t.add_argument("--target-layer-ids", default=None,
+                   help="DFlash: target layers whose OUTPUT is tapped; EAGLE-3: hidden-state indices (layer inputs)")
+    t.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary (most frequent)")
+    t.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time-test unrolled steps")
+    t.add_argument("--num-draft-tokens", type=int, default=4, help="EAGLE-3 K used by the tau evaluation")
     t.add_argument("--intermediate-size", type=int, default=None)
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="reuse this target token as MASK (default: learn a drafter-owned mask embedding)")
@@ -588,7 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s",
+                        force=True)
     from specjax.config import ConfigError
     from specjax.engine.engine import RequestError
     from specjax.model.loader import CheckpointError

@@ -84,3 +84,61 @@ def test_eagle3_is_lossless_greedy_and_seeded(setup):
                            EngineConfig(page_size=4, num_pages=30, max_model_len=64, max_num_seqs=3))
         assert [s.output_ids for s in engine.generate(prompts, params)] == expected
         assert engine.allocator.num_used == 0
+
+
+def test_ttt_rows_equal_the_teacher_forced_inference_chain(setup):
+    """Row (p, step k) of training-time test == chain row k + 1 started after real position p - k, with the true
+    tokens fed in (numpy reference), for every k and several p."""
+    import jax.numpy as jnp
+
+    from specjax.train.eagle3_objective import ttt_logits
+
+    target, cfg, weights, _ = setup
+    tokens = random_prompt(np.random.default_rng(8), 20)
+    _, taps = full_forward(target.weights, target.config, tokens, cfg.hidden_state_indices)
+    steps = 4
+    logits = [np.asarray(x)[0] for x in ttt_logits(weights, cfg, target.weights.embed, jnp.asarray([tokens]),
+                                                     jnp.asarray(taps)[None], steps)]
+    for p in (6, 11, 16):
+        for k in range(steps):
+            p0 = p - k  # last real row of the chain
+            _, ref = eagle3_numpy.draft(weights, cfg, target.weights.embed, np.asarray(taps), tokens[:p0 + 2], k + 1,
+                                        forced=tokens[p0 + 2:p0 + 2 + k], return_logits=True)
+            np.testing.assert_allclose(logits[k][p], ref[k], atol=2e-4, rtol=1e-4, err_msg=f"p={p} k={k}")
+
+
+def test_ttt_loss_decreases(setup):
+    import jax.numpy as jnp
+    import optax
+
+    from specjax.train.eagle3_objective import ttt_loss
+
+    target, cfg, weights, _ = setup
+    rng = np.random.default_rng(1)
+    tokens = np.stack([random_prompt(rng, 24) for _ in range(2)]).astype(np.int32)
+    taps = np.stack([np.asarray(full_forward(target.weights, target.config, list(t), cfg.hidden_state_indices)[1])
+                     for t in tokens])
+    t2d = -np.ones(300, np.int32)
+    ids = np.arange(120) + np.asarray(weights.d2t)
+    t2d[ids] = np.arange(120)
+    mask = np.ones_like(tokens, bool)
+    lengths = np.full(2, 24, np.int32)
+    args = (target.weights.embed, jnp.asarray(tokens), jnp.asarray(taps), jnp.asarray(mask), jnp.asarray(lengths),
+            jnp.asarray(t2d))
+    import dataclasses
+
+    weights = dataclasses.replace(weights, d2t=None)  # integer map: not a trainable leaf
+    opt = optax.adam(3e-3)
+    state = opt.init(weights)
+
+    @jax.jit
+    def step(w, st):
+        (loss, _), g = jax.value_and_grad(lambda w_: ttt_loss(w_, cfg, *args, steps=3), has_aux=True)(w)
+        up, st = opt.update(g, st, w)
+        return optax.apply_updates(w, up), st, loss
+
+    losses = []
+    for _ in range(25):
+        weights, state, loss = step(weights, state)
+        losses.append(float(loss))
+    assert losses[-1] < 0.7 * losses[0], losses

@@ -58,8 +58,9 @@ def finish(w, cfg, o, residual):
     return residual, rms(residual, w["norm"], cfg.rms_norm_eps)
 
 
-def draft(weights, cfg, embed, taps, tokens, k):
-    """Drafts after tokens[-1] (the bonus at position s = len(tokens) - 1), given target taps of positions < s."""
+def draft(weights, cfg, embed, taps, tokens, k, forced=None, return_logits=False):
+    """Drafts after tokens[-1] (the bonus at position s = len(tokens) - 1), given target taps of positions < s.
+    `forced`: feed these tokens into the chain instead of the drafts (teacher forcing, as in TTT)."""
     w = {f: np.asarray(getattr(weights, f), np.float64) for f in
          ("fc", "hidden_norm", "input_norm", "w_q", "w_kv", "w_o", "post_norm", "w_gate_up", "w_down", "norm",
           "lm_head")}
@@ -74,14 +75,16 @@ def draft(weights, cfg, embed, taps, tokens, k):
         keys.append(kk)
         values.append(vv)
         last = (q, residual)
-    out = []
+    out, logits = [], []
     q, residual = last
     for j in range(k):
         if j > 0:
-            q, kk, vv, residual = row_qkv(w, cfg, embed[out[-1]], hidden, s - 1 + j)
+            tok = forced[j - 1] if forced is not None else out[-1]
+            q, kk, vv, residual = row_qkv(w, cfg, embed[tok], hidden, s - 1 + j)
             keys.append(kk)
             values.append(vv)
         hidden, normed = finish(w, cfg, attend(cfg, q, keys, values), residual)
-        idx = int(np.argmax(normed @ w["lm_head"]))
+        logits.append(normed @ w["lm_head"])
+        idx = int(np.argmax(logits[-1]))
         out.append(idx + int(d2t[idx]) if d2t is not None else idx)
-    return out
+    return (out, logits) if return_logits else out

@@ -79,3 +79,22 @@ def test_train_drafter_cli_and_resume(tiny_dirs, tmp_path, capsys):
     assert os.path.isfile(os.path.join(out, "curve.png"))
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 4
+
+
+def test_train_eagle3_cli(tiny_dirs, tmp_path, capsys):
+    from specjax.drafter.eagle3_loader import load_eagle3
+    from specjax.model.loader import load_model
+
+    store = TokenStore(str(tmp_path / "data"), 300)
+    rng = np.random.default_rng(1)
+    for i in range(8):
+        store.append(f"s{i}", "toy", rng.integers(0, 120, 60), 10, "length")
+    out = str(tmp_path / "e3")
+    assert main(["train-drafter", "--method", "eagle3", "--target", tiny_dirs["llama"], "--data",
+                 str(tmp_path / "data"), "--out", out, "--target-layer-ids", "1,2,3", "--draft-vocab-size", "64",
+                 "--ttt-steps", "3", "--batch-size", "2", "--steps", "3", "--save-every", "3", "--eval-every", "3",
+                 "--eval-prompts", "1", "--eval-datasets", "gsm8k", "--eval-max-new-tokens", "4",
+                 "--compile-cache", ""]) == 0
+    cfg, w = load_eagle3(os.path.join(out, "drafter"), load_model(tiny_dirs["llama"]).config)
+    assert cfg.draft_vocab_size == 64 and w.d2t is not None
+    assert "draft vocabulary: 64 tokens" in capsys.readouterr().err

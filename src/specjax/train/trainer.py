@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from specjax.config import DrafterConfig, EngineConfig, ModelConfig
-from specjax.drafter.dflash import DFlashWeights
+from specjax.drafter.eagle3 import Eagle3Config
 from specjax.drafter.loader import load_drafter, save_drafter
 from specjax.model import target as tgt
 from specjax.train.objective import dflash_loss, sample_anchors
@@ -111,21 +111,126 @@ def make_optimizer(cfg: TrainConfig):
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)), schedule
 
 
-@partial(jax.jit, static_argnames=("dcfg", "optimizer", "block_size", "gamma"), donate_argnames=("params", "opt_state"))
-def train_step(params: DFlashWeights, opt_state, embed, head, tokens, taps, loss_mask, lengths, anchors, keep, *,
-               dcfg: DrafterConfig, optimizer, block_size: int, gamma: float):
+@dataclass(frozen=True)
+class DFlashMethod:
+    """DFlash objective: anchored blocks, same-position labels, exp(-(k-1)/gamma) decay."""
+
+    dcfg: DrafterConfig
+    block_size: int
+    num_anchors: int
+    gamma: float
+    name: str = "dflash"
+
+    @property
+    def tap_indices(self):
+        return self.dcfg.hidden_state_indices
+
+    def init_params(self, key, target):
+        from specjax.drafter.loader import init_drafter
+
+        params = init_drafter(self.dcfg, key, dtype=target.weights.embed.dtype)
+        if params.mask_embedding is not None:  # start the learned mask at the typical embedding, not at noise
+            params = dataclasses.replace(params, mask_embedding=jnp.mean(target.weights.embed, axis=0))
+        return params
+
+    def constants(self, target):
+        return (target.weights.embed, target.weights.output_head)
+
+    def host_inputs(self, step_seed, mask, lengths):
+        anchors, keep = sample_anchors(np.random.default_rng(step_seed), mask, lengths, self.num_anchors,
+                                       self.block_size)
+        return (jnp.asarray(anchors), jnp.asarray(keep))
+
+    def loss(self, params, consts, tokens, taps, mask, lengths, extra):
+        embed, head = consts
+        return dflash_loss(params, self.dcfg, embed, head, tokens, taps, mask, lengths, *extra, self.block_size,
+                           self.gamma)
+
+    def save(self, path, params, dtype="float32"):
+        save_drafter(path, self.dcfg, params, dtype=dtype)
+
+    def load(self, path, tcfg):
+        return load_drafter(path, tcfg)[1]
+
+    def evaluate(self, target, params, prompts, max_new_tokens):
+        from specjax.spec.proposer import DFlashProposer
+
+        return evaluate_tau(target, DFlashProposer(self.dcfg, self.block_size), params, prompts, max_new_tokens)
+
+
+@dataclass(frozen=True)
+class Eagle3Method:
+    """EAGLE-3 training-time test: 7 unrolled steps, weights 0.8^k, CE over the draft vocabulary."""
+
+    ecfg: "Eagle3Config"
+    draft_ids: tuple[int, ...]  # sorted target ids of the draft vocabulary
+    num_target_layers: int
+    ttt_steps: int = 7
+    num_draft: int = 4
+    name: str = "eagle3"
+
+    @property
+    def tap_indices(self):
+        return self.ecfg.hidden_state_indices
+
+    def d2t(self):
+        ids = np.asarray(self.draft_ids)
+        return jnp.asarray(ids - np.arange(len(ids)), jnp.int32)
+
+    def init_params(self, key, target):
+        from specjax.drafter.eagle3_loader import init_eagle3
+
+        w = init_eagle3(self.ecfg, key, draft_token_ids=np.asarray(self.draft_ids), dtype=target.weights.embed.dtype)
+        return dataclasses.replace(w, d2t=None)  # the integer map is a constant, not a trainable leaf
+
+    def constants(self, target):
+        t2d = -np.ones(self.ecfg.vocab_size, np.int32)
+        t2d[np.asarray(self.draft_ids)] = np.arange(len(self.draft_ids))
+        return (target.weights.embed, jnp.asarray(t2d))
+
+    def host_inputs(self, step_seed, mask, lengths):
+        return ()
+
+    def loss(self, params, consts, tokens, taps, mask, lengths, extra):
+        from specjax.train.eagle3_objective import ttt_loss
+
+        embed, t2d = consts
+        return ttt_loss(params, self.ecfg, embed, tokens, taps, mask, lengths, t2d, self.ttt_steps)
+
+    def full(self, params):
+        return dataclasses.replace(params, d2t=self.d2t() if len(self.draft_ids) < self.ecfg.vocab_size else None)
+
+    def save(self, path, params, dtype="float32"):
+        from specjax.drafter.eagle3_loader import save_eagle3
+
+        save_eagle3(path, self.ecfg, self.full(params), num_target_layers=self.num_target_layers)
+
+    def load(self, path, tcfg):
+        from specjax.drafter.eagle3_loader import load_eagle3
+
+        return dataclasses.replace(load_eagle3(path, tcfg)[1], d2t=None)
+
+    def evaluate(self, target, params, prompts, max_new_tokens):
+        from specjax.drafter.eagle3 import Eagle3Params
+        from specjax.spec.proposer import Eagle3Proposer
+
+        return evaluate_tau(target, Eagle3Proposer(self.ecfg, self.num_draft),
+                            Eagle3Params(self.full(params), target.weights.embed), prompts, max_new_tokens)
+
+
+@partial(jax.jit, static_argnames=("method", "optimizer"), donate_argnames=("params", "opt_state"))
+def train_step(params, opt_state, consts, tokens, taps, loss_mask, lengths, extra, *, method, optimizer):
     (loss, aux), grads = jax.value_and_grad(
-        lambda p: dflash_loss(p, dcfg, embed, head, tokens, taps, loss_mask, lengths, anchors, keep, block_size,
-                              gamma), has_aux=True)(params)
+        lambda p: method.loss(p, consts, tokens, taps, loss_mask, lengths, extra), has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, aux, optax.tree.norm(grads)
 
 
-def save_checkpoint(out_dir: str, step: int, dcfg, params, opt_state, cfg: TrainConfig) -> None:
+def save_checkpoint(out_dir: str, step: int, method, params, opt_state, cfg: TrainConfig) -> None:
     ckpt = os.path.join(out_dir, "checkpoint")
     tmp = ckpt + ".tmp"
     os.makedirs(tmp, exist_ok=True)
-    save_drafter(os.path.join(tmp, "drafter"), dcfg, params)
+    method.save(os.path.join(tmp, "drafter"), params)
     leaves = jax.tree_util.tree_leaves(opt_state)
     np.savez(os.path.join(tmp, "opt_state.npz"), *[np.asarray(x) for x in leaves])
     with open(os.path.join(tmp, "trainer.json"), "w") as fh:
@@ -138,30 +243,30 @@ def save_checkpoint(out_dir: str, step: int, dcfg, params, opt_state, cfg: Train
         shutil.rmtree(ckpt + ".old")
 
 
-def load_checkpoint(out_dir: str, tcfg: ModelConfig, opt_state_template):
+def load_checkpoint(out_dir: str, method, tcfg: ModelConfig, opt_state_template):
     ckpt = os.path.join(out_dir, "checkpoint")
-    dcfg, params = load_drafter(os.path.join(ckpt, "drafter"), tcfg)
+    params = method.load(os.path.join(ckpt, "drafter"), tcfg)
     with np.load(os.path.join(ckpt, "opt_state.npz")) as data:
         leaves = [jnp.asarray(data[f"arr_{i}"]) for i in range(len(data.files))]
     treedef = jax.tree_util.tree_structure(opt_state_template)
     with open(os.path.join(ckpt, "trainer.json")) as fh:
         meta = json.load(fh)
-    return dcfg, params, jax.tree_util.tree_unflatten(treedef, leaves), meta["step"]
+    return params, jax.tree_util.tree_unflatten(treedef, leaves), meta["step"]
 
 
-def evaluate_tau(target, dcfg, params, prompts: list[list[int]], block_size: int, max_new_tokens: int) -> dict:
+def evaluate_tau(target, proposer, params, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """Greedy speculative generation with the real engine on held-out prompts -> tau and per-position acceptance."""
     from specjax.engine.engine import LLMEngine
     from specjax.sampling import SamplingParams
-    from specjax.spec.proposer import DFlashProposer
 
-    max_len = max(len(p) for p in prompts) + max_new_tokens + block_size + 1
-    engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, block_size), params,
+    k = proposer.max_draft_tokens
+    max_len = max(len(p) for p in prompts) + max_new_tokens + k + 2
+    engine = LLMEngine(target.config, target.weights, proposer, params,
                        EngineConfig(max_model_len=-(-max_len // 64) * 64, max_num_seqs=min(8, len(prompts))))
     seqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
     taus = [t for s in seqs for t in s.stats.acceptance_lengths]
-    drafted = np.zeros(block_size - 1)
-    accepted = np.zeros(block_size - 1)
+    drafted = np.zeros(k)
+    accepted = np.zeros(k)
     for s in seqs:
         n = len(s.stats.drafted_per_position)
         drafted[:n] += s.stats.drafted_per_position
@@ -197,50 +302,42 @@ def plot_curves(log_path: str, png_path: str) -> None:
     plt.close(fig)
 
 
-def train_drafter(target, store: TokenStore, out_dir: str, dcfg: DrafterConfig, cfg: TrainConfig, resume: bool,
+def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainConfig, resume: bool,
                   eval_sets: dict[str, list[list[int]]], eval_max_new_tokens: int = 96, save_dtype: str = "float32",
                   show_progress: bool = True) -> dict:
-    """Train (or resume) a DFlash drafter for `target`; writes out_dir/{drafter,checkpoint,log.jsonl,curve.png}."""
+    """Train (or resume) a drafter for `target`; writes out_dir/{drafter,checkpoint,log.jsonl,curve.png}."""
     from tqdm import tqdm
-
-    from specjax.drafter.loader import init_drafter
 
     os.makedirs(out_dir, exist_ok=True)
     batches = SequenceBatches(store, cfg)
     optimizer, schedule = make_optimizer(cfg)
     tw, tcfg = target.weights, target.config
-    params = init_drafter(dcfg, jax.random.PRNGKey(cfg.seed), dtype=tw.embed.dtype)
-    if params.mask_embedding is not None:  # start the learned mask at the typical embedding, not at noise
-        params = dataclasses.replace(params, mask_embedding=jnp.mean(tw.embed, axis=0))
+    params = method.init_params(jax.random.PRNGKey(cfg.seed), target)
     opt_state = optimizer.init(params)
     step0 = 0
     log_path = os.path.join(out_dir, "log.jsonl")
     if resume and os.path.isdir(os.path.join(out_dir, "checkpoint")):
-        dcfg, params, opt_state, step0 = load_checkpoint(out_dir, tcfg, opt_state)
+        params, opt_state, step0 = load_checkpoint(out_dir, method, tcfg, opt_state)
         log.info("resumed from step %d", step0)
     elif os.path.exists(log_path):
         os.remove(log_path)
     with open(os.path.join(out_dir, "train_config.json"), "w") as fh:
-        json.dump({"train": dataclasses.asdict(cfg), "drafter": dcfg.to_hf(), "data": store.path,
+        json.dump({"method": method.name, "train": dataclasses.asdict(cfg), "data": store.path,
                    "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens}, fh, indent=1)
-    head = tw.output_head
+    consts = method.constants(target)
     bar = tqdm(total=cfg.steps, initial=step0, unit="step", dynamic_ncols=True, disable=not show_progress)
-    t_start, tokens_seen, window = time.perf_counter(), 0, []
+    t_start, tokens_seen = time.perf_counter(), 0
     summary = {}
     for step in range(step0, cfg.steps):
         tokens, mask, lengths, epoch = batches.batch(step)
-        anchors, keep = sample_anchors(np.random.default_rng((cfg.seed, step)), mask, lengths, cfg.num_anchors,
-                                       cfg.block_size)
-        t0 = time.perf_counter()
-        taps = target_features(tw, jnp.asarray(tokens), tcfg, dcfg.hidden_state_indices)
+        extra = method.host_inputs((cfg.seed, step), mask, lengths)
+        taps = target_features(tw, jnp.asarray(tokens), tcfg, method.tap_indices)
         params, opt_state, loss, aux, gnorm = train_step(
-            params, opt_state, tw.embed, head, jnp.asarray(tokens), taps, jnp.asarray(mask), jnp.asarray(lengths),
-            jnp.asarray(anchors), jnp.asarray(keep), dcfg=dcfg, optimizer=optimizer, block_size=cfg.block_size,
-            gamma=cfg.decay)
+            params, opt_state, consts, jnp.asarray(tokens), taps, jnp.asarray(mask), jnp.asarray(lengths), extra,
+            method=method, optimizer=optimizer)
         tokens_seen += int(lengths.sum())
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             loss_v, acc_v = float(loss), float(aux["acc"])
-            window.append(time.perf_counter() - t0)
             elapsed = time.perf_counter() - t_start
             row = {"step": step + 1, "epoch": epoch, "loss": loss_v, "acc": acc_v, "grad_norm": float(gnorm),
                    "lr": float(schedule(step)), "acc_per_slot": [round(float(a), 4) for a in aux["acc_per_slot"]],
@@ -251,9 +348,9 @@ def train_drafter(target, store: TokenStore, out_dir: str, dcfg: DrafterConfig, 
         bar.update(1)
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.save_every == 0 or last:
-            save_checkpoint(out_dir, step + 1, dcfg, params, opt_state, cfg)
+            save_checkpoint(out_dir, step + 1, method, params, opt_state, cfg)
         if eval_sets and ((step + 1) % cfg.eval_every == 0 or last):
-            ev = {name: evaluate_tau(target, dcfg, params, prompts, cfg.block_size, eval_max_new_tokens)
+            ev = {name: method.evaluate(target, params, prompts, eval_max_new_tokens)
                   for name, prompts in eval_sets.items()}
             with open(log_path, "a") as fh:
                 fh.write(json.dumps({"step": step + 1, "eval": ev}) + "\n")
@@ -261,7 +358,7 @@ def train_drafter(target, store: TokenStore, out_dir: str, dcfg: DrafterConfig, 
             summary["eval"] = ev
             plot_curves(log_path, os.path.join(out_dir, "curve.png"))
     bar.close()
-    save_drafter(os.path.join(out_dir, "drafter"), dcfg, params, dtype=save_dtype)
+    method.save(os.path.join(out_dir, "drafter"), params, dtype=save_dtype)
     plot_curves(log_path, os.path.join(out_dir, "curve.png"))
     summary.update({"steps": cfg.steps, "wall_s": time.perf_counter() - t_start, "tokens_seen": tokens_seen,
                     "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens})
