@@ -18,7 +18,8 @@ pytestmark = pytest.mark.smollm
 
 def test_config_read_from_gguf_metadata(smollm):
     c = smollm.config
-    assert (c.family, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == ("llama", 30, 576, 9, 3, 64)
+    geometry = (c.family, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
+    assert geometry == ("llama", 30, 576, 9, 3, 64)
     assert c.vocab_size == 49152 and c.tie_word_embeddings and c.rope.theta == 100000.0
     assert smollm.weights.lm_head is None
 

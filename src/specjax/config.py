@@ -33,7 +33,8 @@ class RopeConfig:
 
     def __post_init__(self):
         if self.scaling_type not in ("default", "llama3", "linear"):
-            raise ConfigError(f"unsupported rope scaling type {self.scaling_type!r} (supported: default, llama3, linear)")
+            raise ConfigError(f"unsupported rope scaling type {self.scaling_type!r} "
+                              "(supported: default, llama3, linear)")
         if self.theta <= 0:
             raise ConfigError(f"rope theta must be positive, got {self.theta}")
 

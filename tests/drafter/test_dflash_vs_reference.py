@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from specjax.config import DrafterConfig, RopeConfig
+from specjax.config import DrafterConfig, EngineConfig, RopeConfig
 from specjax.drafter import dflash
 from specjax.drafter.loader import init_drafter, load_drafter, save_drafter
 from specjax.engine.engine import LLMEngine
-from specjax.config import EngineConfig
 from specjax.model.attention import write_rows
 from specjax.model.loader import load_model
 from specjax.model.target import init_kv_pages

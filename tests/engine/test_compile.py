@@ -14,7 +14,8 @@ from specjax.spec.proposer import DFlashProposer
 def test_no_retrace_after_warmup(tiny_dirs):
     target = load_model(tiny_dirs["llama"])
     dcfg = drafter_config_for(target.config, num_layers=1, block_size=4, target_layer_ids=(1, 2), mask_token_id=299)
-    engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 4), init_drafter(dcfg, jax.random.PRNGKey(0)),
+    dw = init_drafter(dcfg, jax.random.PRNGKey(0))
+    engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 4), dw,
                        EngineConfig(page_size=4, max_model_len=128, max_num_seqs=1, prefill_chunk=32))
     prompt, new = list(range(3, 50)), 60
     engine.warmup(len(prompt), len(prompt) + new, modes=(GREEDY,))

@@ -75,7 +75,7 @@ def draft(weights, cfg, embed, taps, tokens, k, forced=None, return_logits=False
         keys.append(kk)
         values.append(vv)
         last = (q, residual)
-    out, logits = [], []
+    out, logits, hidden = [], [], None
     q, residual = last
     for j in range(k):
         if j > 0:

@@ -160,7 +160,7 @@ def test_bad_requests_get_openai_style_400(server, body, match):
 
 def test_malformed_json(server):
     url, _ = server
-    r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny-qwen3", "prompt": ', 
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny-qwen3", "prompt": ',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
 

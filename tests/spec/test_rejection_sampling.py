@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from specjax.config import EngineConfig
+from specjax.drafter.eagle3 import Eagle3Params
+from specjax.drafter.eagle3_loader import eagle3_config_for, init_eagle3
+from specjax.drafter.loader import drafter_config_for, init_drafter
 from specjax.engine.engine import LLMEngine
 from specjax.model.loader import load_hf_dir
 from specjax.sampling import SAMPLE, SAMPLE_FILTERED, SamplingParams
-from specjax.drafter.loader import drafter_config_for, init_drafter
-from specjax.drafter.eagle3 import Eagle3Params
-from specjax.drafter.eagle3_loader import eagle3_config_for, init_eagle3
 from specjax.spec.proposer import DFlashProposer, Eagle3Proposer, HostProposer, NgramProposer
 from specjax.spec.reference import full_forward
 from specjax.spec.verify import accept

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

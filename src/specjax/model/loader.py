@@ -176,7 +176,6 @@ def read_json(path: str, what: str) -> dict:
 def read_safetensors_dir(path: str) -> dict[str, np.ndarray]:
     """All tensors of a single-file or sharded (`model.safetensors.index.json`) safetensors checkpoint."""
     from safetensors import SafetensorError
-    from safetensors.numpy import load_file
 
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):

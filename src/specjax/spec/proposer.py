@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ConfigError, DrafterConfig
 from specjax.drafter import dflash
+from specjax.drafter.eagle3 import Eagle3Config
 from specjax.model.target import init_kv_pages
 
 
@@ -133,7 +133,7 @@ class NgramProposer(HostProposer):
 class Eagle3Proposer:
     """EAGLE-3 chain drafting: K sequential single-layer steps feeding the drafter's own hidden state back."""
 
-    cfg: "Eagle3Config"
+    cfg: Eagle3Config
     max_draft_tokens: int = 4
     name: str = "eagle3"
     on_device: bool = True

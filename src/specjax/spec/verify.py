@@ -14,7 +14,7 @@ the greedy rule `cumprod(d == argmax).sum()` of the z-lab reference.
 
 from __future__ import annotations
 
-
+import jax
 import jax.numpy as jnp
 
 from specjax.sampling import sample_tokens

@@ -1,0 +1,7 @@
+"""`python -m specjax.cli`."""
+
+import sys
+
+from specjax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,190 @@
+"""`specjax bench`, `specjax analyze kflat` and `specjax analyze theory`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from specjax.cli.common import DEFAULT_CACHE, enable_compile_cache, machine_info
+
+
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    from specjax.bench.harness import add_comparisons, markdown_table, plot_bench, run_bench, summarize, warm_up
+    from specjax.config import EngineConfig
+    from specjax.datasets import load_eval
+    from specjax.llm import DTYPES, LLM
+    from specjax.model.loader import load_model
+    from specjax.sampling import SamplingParams
+
+    if args.quick:
+        args.num_prompts = args.num_prompts or 2
+        args.max_new_tokens = args.max_new_tokens or 64
+        args.datasets = args.datasets or "gsm8k,humaneval,mt_bench"
+    num_prompts, max_new = args.num_prompts or 10, args.max_new_tokens or 256
+    datasets_arg = args.datasets or "gsm8k,math500,humaneval,mbpp,mt_bench"
+    enable_compile_cache(args.compile_cache)
+    methods = args.methods.split(",")
+    if "ar" not in methods:
+        methods = ["ar"] + methods  # the baseline every speedup is measured against
+    target = load_model(args.model, DTYPES[args.dtype])
+    datasets = {name: load_eval(name, args.data_dir, args.data_file)[:num_prompts] for name in datasets_arg.split(",")}
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=max_new, seed=args.seed)
+    llms = {}
+    for m in methods:
+        cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=args.num_draft_tokens
+                           if m != "ar" else None)
+        drafter = {"dflash": args.drafter, "eagle3": args.eagle3_drafter}.get(m)
+        llms[m] = LLM(args.model, drafter, m, args.block_size, cfg, args.dtype, target=target)
+    all_prompts = [p for ps in datasets.values() for p in ps]
+    print(f"warming up {len(llms)} methods (compiling every step shape once)...", file=sys.stderr)
+    for llm in llms.values():
+        warm_up(llm, all_prompts, params)
+    total = sum(len(ps) for ps in datasets.values()) * len(llms)
+    bar = tqdm(total=total, unit="gen", dynamic_ncols=True, file=sys.stderr)
+    t0 = time.perf_counter()
+    runs = run_bench(llms, datasets, params, progress=lambda m, d: (bar.update(1), bar.set_postfix(ds=d, m=m)))
+    bar.close()
+    block = {m: getattr(llm.engine.proposer, "block_size", None) for m, llm in llms.items()}
+    records = [summarize(r, block[r.method]) for r in runs]
+    add_comparisons(records, params.is_greedy)
+    for r in records:
+        r["num_draft_tokens"] = llms[r["method"]].engine.num_draft
+    print(markdown_table(records))
+    record = {"kind": "bench", "wall_s": time.perf_counter() - t0, "machine": machine_info(),
+              "config": {"methods": methods, "datasets": list(datasets), "num_prompts": num_prompts,
+                         "max_new_tokens": max_new, "temperature": args.temperature, "block_size": args.block_size,
+                         "num_draft_tokens": args.num_draft_tokens, "model": target.source,
+                         "drafter": llms["dflash"].drafter_path if "dflash" in llms else None,
+                         "eagle3_drafter": llms["eagle3"].drafter_path if "eagle3" in llms else None,
+                         "command": " ".join(sys.argv)},
+              "records": records}
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "bench.json"), "w") as fh:
+            json.dump(record, fh)
+        plot_bench(records, os.path.join(args.out_dir, "bench_"))
+    print(json.dumps({r["dataset"] + "/" + r["method"]: {"tau": r["tau"], "speedup": r["speedup_vs_ar"],
+                                                          "tok_per_s": r["decode_tokens_per_s"]} for r in records}))
+    return 0
+
+
+def cmd_analyze_kflat(args) -> int:
+    from specjax.bench.kflat import draft_costs, plot_kflat, verify_costs
+    from specjax.llm import DTYPES, build_proposer
+    from specjax.model.loader import load_model
+
+    enable_compile_cache(args.compile_cache)
+    target = load_model(args.model, DTYPES[args.dtype])
+    qs = [int(q) for q in args.q.split(",")]
+    print(f"verify cost on {target.source} (context {args.context}, batch {args.batch}, median of {args.repeats})",
+          file=sys.stderr)
+    print(f"{'q':>6} {'median ms':>10} {'t(q)/t(1)':>10}")
+
+    def show(r):
+        print(f"{r['q']:>6} {1000 * r['median_s']:>10.2f} {r['median_s'] / show.base:>10.2f}", flush=True)
+
+    show.base = None
+
+    def progress(r):
+        show.base = show.base or r["median_s"]
+        show(r)
+
+    results = verify_costs(target.config, target.weights, qs, args.context, args.repeats, args.batch,
+                           progress=progress)
+    record = {"kind": "kflat", "model": target.source, "context": args.context, "batch": args.batch,
+              "dtype": args.dtype, "results": results, "machine": machine_info()}
+    if args.drafter:
+        proposer, pweights = build_proposer("dflash", target, args.drafter)
+        blocks = [int(b) for b in args.draft_blocks.split(",")]
+        record["draft"] = draft_costs(proposer, pweights, target.weights, args.context, blocks, args.repeats)
+        for r in record["draft"]:
+            print(f"draft block {r['block_size']:>3}: {1000 * r['median_s']:.2f} ms "
+                  f"({r['median_s'] / results[0]['median_s']:.2f} x t(1))")
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "kflat.json"), "w") as fh:
+            json.dump(record, fh, indent=1)
+        plot_kflat(results, os.path.join(args.out_dir, "kflat.png"),
+                   f"verify cost vs q, {os.path.basename(target.source)}, ctx {args.context}")
+    print(json.dumps({"kflat_ratio": {r["q"]: round(r["ratio"], 3) for r in results},
+                      "t1_ms": round(1000 * results[0]["median_s"], 2)}))
+    return 0
+
+
+def cmd_analyze_theory(args) -> int:
+    from specjax.bench.theory import analyze, plot_theory
+
+    with open(args.bench) as fh:
+        bench = json.load(fh)
+    kflat = None
+    if args.kflat:
+        with open(args.kflat) as fh:
+            kflat = json.load(fh)
+    rows = analyze(bench, kflat, args.max_k)
+    if not rows:
+        print("specjax: error: no speculative records with acceptance traces in " + args.bench, file=sys.stderr)
+        return 2
+    print("| dataset | method | K used | tau measured | alpha (geometric fit) | E[tau] geometric at K | "
+          "E[tau] K=16 | E[tau] K=64 | recommended K | predicted speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        rec = f"{r['recommended_k']} | {r['recommended_speedup']:.2f}x" if "recommended_k" in r else "- | -"
+        print(f"| {r['dataset']} | {r['method']} | {r['k_used']} | {r['tau_measured']:.2f} | {r['alpha']:.3f} | "
+              f"{r['tau_geometric_at_k_used']:.2f} | {r['tau_empirical'][15]:.2f} | {r['tau_empirical'][63]:.2f} | "
+              f"{rec} |")
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "theory.json"), "w") as fh:
+            json.dump({"kind": "theory", "bench": args.bench, "kflat": args.kflat, "rows": rows}, fh)
+        plot_theory(rows, os.path.join(args.out_dir, "theory.png"))
+    print(json.dumps({f"{r['dataset']}/{r['method']}": {"alpha": round(r["alpha"], 4),
+                                                        "recommended_k": r.get("recommended_k")} for r in rows}))
+    return 0
+
+
+def register(sub) -> None:
+    b = sub.add_parser("bench", help="tau, acceptance, TPOT and speedup per dataset x method, in one run")
+    b.add_argument("--methods", default="ar,dflash,ngram")
+    b.add_argument("--datasets", default=None, help="default gsm8k,math500,humaneval,mbpp,mt_bench")
+    b.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 10)")
+    b.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
+    b.add_argument("--quick", action="store_true", help="a few minutes on a CPU: 2 prompts, 64 tokens, 3 datasets")
+    b.add_argument("--model", default=None)
+    b.add_argument("--drafter", default=None, help="DFlash drafter (default: the shipped one)")
+    b.add_argument("--eagle3-drafter", default=None, help="EAGLE-3 drafter (default: the shipped one)")
+    b.add_argument("--block-size", type=int, default=None)
+    b.add_argument("--num-draft-tokens", type=int, default=None)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    b.add_argument("--max-model-len", type=int, default=2048)
+    b.add_argument("--data-dir", default=None)
+    b.add_argument("--data-file", default=None, help="one JSONL file (with a single --datasets entry)")
+    b.add_argument("--out-dir", default=None, help="write bench.json and PNG plots here")
+    b.add_argument("--compile-cache", default=DEFAULT_CACHE)
+    b.set_defaults(func=cmd_bench)
+
+    a = sub.add_parser("analyze", help="analyses: kflat (verify cost vs tokens per forward)")
+    asub = a.add_subparsers(dest="analysis", required=True)
+    k = asub.add_parser("kflat", help="time one target verify forward for q tokens; t(q)/t(1) is the headline")
+    k.add_argument("--model", default=None)
+    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    k.add_argument("--q", default="1,2,4,8,16,32,64,128,256", help="comma-separated tokens per forward")
+    k.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
+    k.add_argument("--batch", type=int, default=1)
+    k.add_argument("--repeats", type=int, default=15)
+    k.add_argument("--drafter", default=None, help="also time the DFlash drafter (dir or random[:LAYERS])")
+    k.add_argument("--draft-blocks", default="4,8,16", help="drafter block sizes to time")
+    k.add_argument("--out-dir", default=None, help="write kflat.json and kflat.png here")
+    k.add_argument("--compile-cache", default=DEFAULT_CACHE)
+    k.set_defaults(func=cmd_analyze_kflat)
+    th = asub.add_parser("theory", help="fit per-position acceptance from a bench JSON, predict tau(K), speedup(K)")
+    th.add_argument("--from", dest="bench", required=True, help="bench.json written by `specjax bench`")
+    th.add_argument("--kflat", default=None, help="kflat.json for predicted speedup(K) and the recommended K")
+    th.add_argument("--max-k", type=int, default=64)
+    th.add_argument("--out-dir", default=None)
+    th.set_defaults(func=cmd_analyze_theory)

@@ -1,0 +1,58 @@
+"""Shared pieces of the command line: model flags, compile cache, machine facts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")
+
+
+def enable_compile_cache(path: str | None) -> None:
+    """Persist compiled XLA programs across runs (first run compiles, later runs load)."""
+    import jax
+
+    if not path:
+        return
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter directory (DFlash z-lab format, or EAGLE-3 for --method eagle3), or random[:LAYERS];"
+                        " default: the shipped drafter")
+    p.add_argument("--method", default=None, choices=["ar", "dflash", "ngram", "eagle3"],
+                   help="decoding method (default: dflash when a drafter is available, else ar)")
+    p.add_argument("--ngram", default="1,3", help="n-gram lookup: min,max n (method ngram)")
+    p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="drafts verified per step, <= block_size-1")
+    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output (tokens)")
+    p.add_argument("--page-size", type=int, default=16, help="KV page size (tokens)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights/activations dtype (float32 is fastest on CPU)")
+    p.add_argument("--compile-cache", default=DEFAULT_CACHE, help="persistent XLA cache dir ('' to disable)")
+
+
+def histogram_lines(taus: list[int], width: int = 30) -> list[str]:
+    if not taus:
+        return []
+    counts = [taus.count(t) for t in range(1, max(taus) + 1)]
+    peak = max(counts)
+    return [f"  tau={t:>2}: {c:>5} {'#' * max(1 if c else 0, round(width * c / peak))}" for t, c in
+            enumerate(counts, 1)]
+
+
+def machine_info() -> dict:
+    import platform
+
+    import jax
+
+    import specjax
+
+    return {"specjax": specjax.__version__, "jax": jax.__version__, "backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "machine": platform.machine(), "processor": platform.processor() or platform.machine()}

@@ -1,0 +1,107 @@
+"""`specjax generate` and `specjax init-drafter`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from specjax.cli.common import add_model_args, enable_compile_cache, histogram_lines
+
+
+def cmd_generate(args) -> int:
+    from specjax.config import EngineConfig
+    from specjax.llm import LLM
+    from specjax.sampling import GREEDY, SAMPLE, SAMPLE_FILTERED, SamplingParams
+
+    enable_compile_cache(args.compile_cache)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, args.drafter, args.method, args.block_size,
+              EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=1,
+                           num_draft_tokens=args.num_draft_tokens), dtype=args.dtype, seed=args.seed or 0,
+              ngram=tuple(int(x) for x in args.ngram.split(",")))
+    load_s = time.perf_counter() - t0
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    ids = llm.encode(prompt, chat=args.chat)
+    engine = llm.engine
+    if args.warmup:
+        t0 = time.perf_counter()
+        mode = GREEDY if params.is_greedy else SAMPLE_FILTERED if params.needs_filter else SAMPLE
+        n = engine.warmup(len(ids), len(ids) + params.max_new_tokens, modes=(mode,))
+        print(f"[compiled/loaded {n} step shapes in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+    [res] = llm.generate([ids], params, on_text=lambda i, d: print(d, end="", flush=True))
+    print()
+    s = res.stats
+    decode_tokens = len(res.token_ids) - 1
+    desc = {"ar": "ar", "ngram": f"ngram (K={engine.num_draft})", "eagle3": f"eagle3 (K={engine.num_draft})"}.get(
+        llm.method, f"{llm.method} (block {getattr(engine.proposer, 'block_size', '-')}, K={engine.num_draft})")
+    lines = [f"--- {desc} | load {load_s:.1f}s | prompt {len(ids)} tok | {len(res.token_ids)} new tok "
+             f"({res.finish_reason}) | TTFT {res.ttft:.2f}s"]
+    if res.tpot:
+        lines.append(f"decode: {1 / res.tpot:.1f} tok/s ({1000 * res.tpot:.1f} ms/token over {decode_tokens} tokens)")
+    if s.acceptance_lengths:
+        lines.append(f"tau (mean acceptance length, bonus counted): {s.mean_acceptance_length:.2f} over "
+                     f"{len(s.acceptance_lengths)} target forwards; drafts accepted {s.num_accepted}/{s.num_drafted}")
+        if s.drafted_per_position:
+            rates = [a / d for a, d in zip(s.accepted_per_position, s.drafted_per_position) if d]
+            lines.append("per-position acceptance: " + " ".join(f"{r:.2f}" for r in rates))
+        lines.append("acceptance histogram:")
+        lines += histogram_lines(s.acceptance_lengths)
+    print("\n".join(lines), file=sys.stderr)
+    if args.json:
+        print(json.dumps({"method": llm.method, "prompt_tokens": len(ids), "new_tokens": len(res.token_ids),
+                          "ttft_s": res.ttft, "tpot_s": res.tpot, "tau": s.mean_acceptance_length,
+                          "acceptance_lengths": s.acceptance_lengths, "text": res.text}))
+    return 0
+
+
+def cmd_init_drafter(args) -> int:
+    import jax
+
+    from specjax.drafter.loader import drafter_config_for, init_drafter, save_drafter
+    from specjax.model.loader import load_model
+
+    target = load_model(args.target)
+    ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None
+    cfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block_size, target_layer_ids=ids,
+                             num_taps=args.num_taps, intermediate_size=args.intermediate_size,
+                             mask_token_id=args.mask_token_id)
+    save_drafter(args.out, cfg, init_drafter(cfg, jax.random.PRNGKey(args.seed)), dtype=args.save_dtype)
+    print(f"wrote a random DFlash drafter ({cfg.num_layers} layers, taps {list(cfg.target_layer_ids)}, "
+          f"block {cfg.block_size}) to {args.out}")
+    return 0
+
+
+def register(sub) -> None:
+
+    g = sub.add_parser("generate", help="generate text (streams to the terminal, then prints tok/s and tau)")
+    g.add_argument("prompt", nargs="?", default=None, help="prompt text (default: read stdin)")
+    add_model_args(g)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt in the model's chat template (default on)")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every step shape before timing (default on)")
+    g.add_argument("--json", action="store_true", help="also print one JSON line with the measurements")
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("init-drafter", help="write a randomly initialised DFlash drafter (z-lab format)")
+    d.add_argument("--target", default="default", help="target model (HF dir, .gguf or 'default')")
+    d.add_argument("--out", required=True)
+    d.add_argument("--layers", type=int, default=1)
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--num-taps", type=int, default=5)
+    d.add_argument("--target-layer-ids", default=None, help="comma-separated target layers to tap (outputs)")
+    d.add_argument("--intermediate-size", type=int, default=None)
+    d.add_argument("--mask-token-id", type=int, default=None,
+                   help="target token id used as MASK (default: a drafter-owned learned mask embedding)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+    d.set_defaults(func=cmd_init_drafter)

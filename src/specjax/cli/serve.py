@@ -1,0 +1,141 @@
+"""`specjax serve` and `specjax bench-serve`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from specjax.cli.common import add_model_args, enable_compile_cache, machine_info
+
+
+def build_server(args):
+    """(app, service, llm) for `specjax serve` and `specjax bench-serve`."""
+    from specjax.config import EngineConfig
+    from specjax.llm import LLM
+    from specjax.sampling import GREEDY, SAMPLE, SAMPLE_FILTERED
+    from specjax.serve.api import create_app
+    from specjax.serve.metrics import Metrics
+    from specjax.serve.service import EngineService
+
+    cfg = EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       num_pages=args.num_pages, num_draft_tokens=args.num_draft_tokens,
+                       adaptive_k=args.adaptive_k and args.method != "ar", prefill_chunk=args.prefill_chunk,
+                       page_bucket_factor=args.page_bucket_factor)
+    llm = LLM(args.model, args.drafter, args.method, args.block_size, cfg, dtype=args.dtype,
+              ngram=tuple(int(x) for x in args.ngram.split(",")))
+    if args.warmup:
+        t0 = time.perf_counter()
+        modes = (GREEDY, SAMPLE, SAMPLE_FILTERED) if args.warmup_sampling else (GREEDY,)
+        n = llm.engine.warmup_all(modes=modes)
+        print(f"[warm-up: {n} step shapes compiled/loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+    service = EngineService(llm.engine, llm.target.tokenizer,
+                            Metrics(max(1, llm.engine.num_draft)))
+    name = args.served_model_name or os.path.basename(str(llm.target.source)).removesuffix(".gguf")
+    return create_app(service, name, args.default_max_tokens), service, llm
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    enable_compile_cache(args.compile_cache)
+    app, service, llm = build_server(args)
+    service.start()
+    print(f"serving {llm.target.source} ({llm.method}) on http://{args.host}:{args.port}", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        service.stop()
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    import copy
+
+    from specjax.bench.serving import bench_level, plot_serving, running
+    from specjax.datasets import load_eval
+
+    enable_compile_cache(args.compile_cache)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    prompts = [p.turns[0] for name in args.datasets.split(",")
+               for p in load_eval(name, args.data_dir)[:args.num_prompts]]
+    rows = []
+    for method in args.methods.split(","):
+        margs = copy.copy(args)
+        margs.method = method
+        margs.max_num_seqs = max(levels)
+        app, service, llm = build_server(margs)
+        name = args.served_model_name or os.path.basename(str(llm.target.source)).removesuffix(".gguf")
+        with running(app, service) as url:
+            bench_level(url, name, prompts, 1, 1, 8)  # first request through the HTTP path (excluded)
+            for c in levels:
+                row = {"method": method, **bench_level(url, name, prompts, c, max(c, args.requests_per_level),
+                                                       args.max_tokens)}
+                rows.append(row)
+                print(f"{method:>7} c={c:<3} {row['throughput_tok_s']:7.1f} tok/s  "
+                      f"TTFT p50 {row['ttft_ms_p50']:7.0f} ms"
+                      f"  TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} ms  tau {row['tau'] or 0:.2f}  K {row['k_steps']}",
+                      file=sys.stderr, flush=True)
+        del app, service, llm
+    base = {r["concurrency"]: r for r in rows if r["method"] == "ar"}
+    print("| method | concurrency | tok/s | speedup vs ar | TTFT p50 / p90 ms | TPOT p50 / p90 ms | tau "
+          "| K used (steps) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = base.get(r["concurrency"])
+        r["speedup_vs_ar"] = r["throughput_tok_s"] / b["throughput_tok_s"] if b else None
+        sp = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
+        print(f"| {r['method']} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {sp} | "
+              f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p90']:.0f} | "
+              f"{r['tpot_ms_p50'] or 0:.1f} / {r['tpot_ms_p90'] or 0:.1f}"
+              f" | {r['tau'] or 0:.2f} | {r['k_steps']} |")
+    record = {"kind": "bench-serve", "machine": machine_info(), "rows": rows,
+              "config": {"concurrency": levels, "methods": args.methods, "max_tokens": args.max_tokens,
+                         "requests_per_level": args.requests_per_level, "datasets": args.datasets,
+                         "drafter": args.drafter, "adaptive_k": args.adaptive_k, "command": " ".join(sys.argv)}}
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "bench_serve.json"), "w") as fh:
+            json.dump(record, fh, indent=1)
+        plot_serving(rows, os.path.join(args.out_dir, "bench_serve.png"))
+    print(json.dumps({f"{r['method']}@{r['concurrency']}": round(r["throughput_tok_s"], 2) for r in rows}))
+    return 0
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.set_defaults(max_model_len=2048)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch")
+    p.add_argument("--num-pages", type=int, default=0, help="KV pool pages (0 = max_num_seqs full sequences)")
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--page-bucket-factor", type=int, default=4,
+                   help="KV-page bucket growth: fewer shapes to compile at start-up vs. padded gathers")
+    p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose the number of drafts per step with a measured cost model (default on)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every step shape at start-up (default on)")
+    p.add_argument("--warmup-sampling", action="store_true", help="also compile the sampling variants at start-up")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--default-max-tokens", type=int, default=256)
+
+
+def register(sub) -> None:
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    add_server_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.set_defaults(func=cmd_serve)
+
+    bs = sub.add_parser("bench-serve", help="serving benchmark: throughput / TTFT / TPOT / tau per concurrency")
+    add_server_args(bs)
+    bs.add_argument("--methods", default="ar,dflash")
+    bs.add_argument("--concurrency", default="1,4,8,16,32")
+    bs.add_argument("--requests-per-level", type=int, default=16)
+    bs.add_argument("--max-tokens", type=int, default=64)
+    bs.add_argument("--datasets", default="gsm8k,humaneval,mt_bench")
+    bs.add_argument("--num-prompts", type=int, default=16, help="prompts taken per dataset")
+    bs.add_argument("--data-dir", default=None)
+    bs.add_argument("--out-dir", default=None)
+    bs.set_defaults(func=cmd_bench_serve)

@@ -1,0 +1,156 @@
+"""`specjax regenerate` (target answers training prompts) and `specjax train-drafter`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+from specjax.cli.common import DEFAULT_CACHE, enable_compile_cache
+
+
+def cmd_regenerate(args) -> int:
+    import random
+
+    from tqdm import tqdm
+
+    from specjax.config import EngineConfig
+    from specjax.datasets import load_train_prompts
+    from specjax.llm import LLM
+    from specjax.train.regen import regenerate
+    from specjax.train.store import TokenStore
+
+    enable_compile_cache(args.compile_cache)
+    llm = LLM(args.target, method="ar", engine_config=EngineConfig(
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens + 1, max_num_seqs=args.batch_size,
+        page_size=16, prefill_chunk=256))
+    sources = args.sources.split(",")
+    prompts = load_train_prompts(sources, args.data_dir, args.sharegpt_file)
+    by_source = {s: [p for p in prompts if p.dataset == s] for s in sources}
+    rng = random.Random(args.seed)
+    for lst in by_source.values():
+        rng.shuffle(lst)
+    limits = dict(zip(sources, [int(x) for x in args.limits.split(",")])) if args.limits else {}
+    # Interleave sources so that an interrupted run still holds a mix of math, code and chat.
+    pools = [lst[:limits.get(s, len(lst))] for s, lst in by_source.items()]
+    mixed = [p for group in itertools.zip_longest(*pools) for p in group if p is not None]
+    store = TokenStore(args.out, llm.target.config.vocab_size, meta={
+        "target": llm.target.source, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "sources": sources})
+    todo = [p for p in mixed if p.id not in store.ids]
+    print(f"{len(store)} sequences already stored; {len(todo)} prompts to answer", file=sys.stderr)
+    bar = tqdm(total=len(todo), unit="seq", dynamic_ncols=True)
+
+    def progress(done, total, tokens, seconds):
+        bar.update(done - bar.n)
+        bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.0f}", tokens=tokens)
+
+    stats = regenerate(llm, todo, store, args.max_new_tokens, args.temperature, args.seed, args.max_prompt_tokens,
+                       progress)
+    bar.close()
+    print(json.dumps(stats))
+    return 0
+
+
+def cmd_train_drafter(args) -> int:
+    import numpy as np
+
+    from specjax.datasets import load_eval
+    from specjax.drafter.loader import drafter_config_for
+    from specjax.llm import DTYPES
+    from specjax.model.loader import load_model
+    from specjax.train.store import TokenStore
+    from specjax.train.trainer import DFlashMethod, Eagle3Method, TrainConfig, train_drafter
+
+    enable_compile_cache(args.compile_cache)
+    target = load_model(args.target, DTYPES["float32"])
+    store = TokenStore(args.data)
+    ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None
+    cfg = TrainConfig(block_size=args.block_size, batch_size=args.batch_size, num_anchors=args.num_anchors,
+                      max_len=args.max_len, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
+                      weight_decay=args.weight_decay, gamma=args.gamma, seed=args.seed, save_every=args.save_every,
+                      eval_every=args.eval_every)
+    if args.method == "dflash":
+        dcfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block_size,
+                                  target_layer_ids=ids, num_taps=args.num_taps,
+                                  intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id)
+        method = DFlashMethod(dcfg, args.block_size, args.num_anchors, cfg.decay)
+    else:
+        from specjax.drafter.eagle3_loader import eagle3_config_for
+        from specjax.train.eagle3_objective import draft_vocab_from_counts
+
+        counts = np.zeros(target.config.vocab_size, np.int64)
+        for rec, toks in store.sequences():
+            counts += np.bincount(toks[rec["prompt_len"]:], minlength=target.config.vocab_size)
+        size = min(args.draft_vocab_size, target.config.vocab_size)
+        draft_ids = draft_vocab_from_counts(counts, size)
+        coverage = counts[draft_ids].sum() / max(1, counts.sum())
+        print(f"draft vocabulary: {size} tokens covering {100 * coverage:.2f}% of response tokens", file=sys.stderr)
+        ecfg = eagle3_config_for(target.config, draft_vocab_size=size, aux_ids=ids,
+                                 intermediate_size=args.intermediate_size)
+        method = Eagle3Method(ecfg, tuple(int(i) for i in draft_ids), target.config.num_layers, args.ttt_steps,
+                              args.num_draft_tokens)
+    eval_sets = {}
+    if args.eval_prompts > 0 and target.tokenizer is not None:
+        for name in args.eval_datasets.split(","):
+            prompts = load_eval(name, args.data_dir)[: args.eval_prompts]
+            eval_sets[name] = [target.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}])
+                               for p in prompts]
+    summary = train_drafter(target, store, args.out, method, cfg, args.resume, eval_sets, args.eval_max_new_tokens,
+                            args.save_dtype)
+    print(json.dumps(summary))
+    return 0
+
+
+def register(sub) -> None:
+    r = sub.add_parser("regenerate", help="have the target answer training prompts (resumable token store)")
+    r.add_argument("--target", default="default")
+    r.add_argument("--out", required=True, help="token store directory (resumes if it exists)")
+    r.add_argument("--sources", default="gsm8k_train,mbpp_train,sharegpt")
+    r.add_argument("--limits", default=None, help="max prompts per source, comma-separated in --sources order")
+    r.add_argument("--data-dir", default=None,
+                   help="folder with gsm8k_train.jsonl, mbpp.jsonl (default ../shared/data)")
+    r.add_argument("--sharegpt-file", default=None)
+    r.add_argument("--max-new-tokens", type=int, default=320)
+    r.add_argument("--max-prompt-tokens", type=int, default=384)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--compile-cache", default=DEFAULT_CACHE)
+    r.set_defaults(func=cmd_regenerate)
+
+    t = sub.add_parser("train-drafter", help="train a DFlash drafter on target-regenerated data (resumable)")
+    t.add_argument("--target", default="default")
+    t.add_argument("--data", required=True, help="token store written by `specjax regenerate`")
+    t.add_argument("--out", required=True)
+    t.add_argument("--method", default="dflash", choices=["dflash", "eagle3"])
+    t.add_argument("--layers", type=int, default=2, help="DFlash drafter layers")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--num-taps", type=int, default=5)
+    t.add_argument("--target-layer-ids", default=None,
+                   help="DFlash: target layers whose OUTPUT is tapped; EAGLE-3: hidden-state indices (layer inputs)")
+    t.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary (most frequent)")
+    t.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time-test unrolled steps")
+    t.add_argument("--num-draft-tokens", type=int, default=4, help="EAGLE-3 K used by the tau evaluation")
+    t.add_argument("--intermediate-size", type=int, default=None)
+    t.add_argument("--mask-token-id", type=int, default=None,
+                   help="reuse this target token as MASK (default: learn a drafter-owned mask embedding)")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--batch-size", type=int, default=4)
+    t.add_argument("--num-anchors", type=int, default=32)
+    t.add_argument("--max-len", type=int, default=512)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup-ratio", type=float, default=0.04)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block 16, 4 for block 8)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--eval-every", type=int, default=500)
+    t.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per eval dataset (0 = no eval)")
+    t.add_argument("--eval-datasets", default="gsm8k,mbpp")
+    t.add_argument("--eval-max-new-tokens", type=int, default=96)
+    t.add_argument("--data-dir", default=None)
+    t.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+    t.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
+    t.add_argument("--compile-cache", default=DEFAULT_CACHE)
+    t.set_defaults(func=cmd_train_drafter)
