@@ -125,3 +125,21 @@ def test_speculative_generation_matches_reference(pair):
     # Near max_new_tokens the engine asks for fewer drafts from the same full block: compare those as prefixes.
     assert [ref_d[:len(ours)] for ours, ref_d in zip(seq.stats.draft_log, full)] == seq.stats.draft_log[:len(full)]
     assert sum(len(d) for d in seq.stats.draft_log[:len(full)]) >= 3 * (BLOCK - 1)
+
+
+def test_bench_peer_reference_runs_the_same_prompts(pair, tiny_dirs, tmp_path, capsys):
+    import json
+
+    from specjax.cli import main
+
+    target, (cfg, weights), _, _ = pair
+    drafter = str(tmp_path / "drafter")
+    save_drafter(drafter, cfg, weights)
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", tiny_dirs["qwen3"], "--methods", "ar,dflash", "--drafter", drafter,
+                 "--datasets", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "12", "--max-model-len", "1024",
+                 "--peer", "dflash-reference", "--out-dir", str(out), "--compile-cache", ""]) == 0
+    records = {r["method"]: r for r in json.loads((out / "bench.json").read_text())["records"]}
+    assert records["dflash-reference"]["matches_ar"] and records["dflash"]["matches_ar"]
+    assert records["dflash-reference"]["tau"] == pytest.approx(records["dflash"]["tau"], abs=0.3)
+    assert "| gsm8k | dflash-reference |" in capsys.readouterr().out

@@ -21,7 +21,7 @@ from specjax.sampling import SamplingParams
 class RequestRecord:
     prompt_id: str
     turn: int
-    prompt_tokens: int
+    prompt_ids: list[int]
     output_ids: list[int]
     ttft_s: float
     decode_s: float
@@ -45,7 +45,7 @@ def run_one(llm, messages: list[dict], params: SamplingParams):
     if res.tpot is not None:
         decode = res.tpot * (len(res.token_ids) - 1)
     s = res.stats
-    return dict(prompt_tokens=len(ids), output_ids=res.token_ids, ttft_s=res.ttft or 0.0, decode_s=decode,
+    return dict(prompt_ids=ids, output_ids=res.token_ids, ttft_s=res.ttft or 0.0, decode_s=decode,
                 acceptance_lengths=list(s.acceptance_lengths), drafted_per_position=list(s.drafted_per_position),
                 accepted_per_position=list(s.accepted_per_position)), res.text
 
@@ -80,6 +80,17 @@ def run_bench(llms: dict, datasets: dict[str, list[Prompt]], params: SamplingPar
                 if progress:
                     progress(method, dataset)
     return list(runs.values())
+
+
+def peer_run(records: list[RequestRecord], results: list[dict], name: str, dataset: str) -> MethodRun:
+    """A MethodRun from the reference implementation's results on the same prompts (same record fields)."""
+    run = MethodRun(name, dataset)
+    for rec, res in zip(records, results):
+        n = len(res["output_ids"])
+        decode = res["tpot_s"] * n  # the reference divides its decode time by all output tokens
+        run.records.append(RequestRecord(rec.prompt_id, rec.turn, rec.prompt_ids, res["output_ids"], res["ttft_s"],
+                                         decode, res["acceptance_lengths"], [], []))
+    return run
 
 
 def summarize(run: MethodRun, block_size: int | None) -> dict:

@@ -8,6 +8,7 @@ import sys
 import time
 
 from specjax.cli.common import DEFAULT_CACHE, enable_compile_cache, machine_info
+from specjax.config import ConfigError
 
 
 def cmd_bench(args) -> int:
@@ -49,10 +50,25 @@ def cmd_bench(args) -> int:
     runs = run_bench(llms, datasets, params, progress=lambda m, d: (bar.update(1), bar.set_postfix(ds=d, m=m)))
     bar.close()
     block = {m: getattr(llm.engine.proposer, "block_size", None) for m, llm in llms.items()}
+    if args.peer == "dflash-reference":
+        if "dflash" not in llms or llms["dflash"].drafter_path is None or \
+                llms["dflash"].drafter_path.startswith("random"):
+            raise ConfigError("--peer dflash-reference needs --methods ...,dflash with a drafter checkpoint directory")
+        from specjax.bench.harness import peer_run
+        from specjax.bench.peer import run_reference
+
+        llm = llms["dflash"]
+        print("running the reference dflash package (PyTorch, CPU) on the same prompts...", file=sys.stderr)
+        for run in [r for r in runs if r.method == "dflash"]:
+            results = run_reference(target, llm.drafter_path, [r.prompt_ids for r in run.records], max_new,
+                                    block["dflash"], list(llm.engine.eos_token_ids),
+                                    os.path.join(os.path.dirname(DEFAULT_CACHE), "export"))
+            runs.append(peer_run(run.records, results, "dflash-reference", run.dataset))
+        block["dflash-reference"] = block["dflash"]
     records = [summarize(r, block[r.method]) for r in runs]
     add_comparisons(records, params.is_greedy)
     for r in records:
-        r["num_draft_tokens"] = llms[r["method"]].engine.num_draft
+        r["num_draft_tokens"] = llms[r["method"].removesuffix("-reference")].engine.num_draft
     print(markdown_table(records))
     record = {"kind": "bench", "wall_s": time.perf_counter() - t0, "machine": machine_info(),
               "config": {"methods": methods, "datasets": list(datasets), "num_prompts": num_prompts,
@@ -165,6 +181,8 @@ def register(sub) -> None:
     b.add_argument("--data-dir", default=None)
     b.add_argument("--data-file", default=None, help="one JSONL file (with a single --datasets entry)")
     b.add_argument("--out-dir", default=None, help="write bench.json and PNG plots here")
+    b.add_argument("--peer", default=None, choices=["dflash-reference"],
+                   help="also run the reference PyTorch dflash package on the same target, drafter and prompts")
     b.add_argument("--compile-cache", default=DEFAULT_CACHE)
     b.set_defaults(func=cmd_bench)
 

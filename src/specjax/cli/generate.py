@@ -75,7 +75,22 @@ def cmd_init_drafter(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from specjax.model.export import export_hf
+    from specjax.model.loader import load_model
+
+    model = load_model(args.model)
+    export_hf(model, args.out)
+    print(f"exported {model.source} ({model.config.family}, float32) to {args.out}")
+    return 0
+
+
 def register(sub) -> None:
+    e = sub.add_parser("export", help="write a target (HF dir, GGUF or default) as a HF transformers directory")
+    e.add_argument("--model", default="default")
+    e.add_argument("--out", required=True)
+    e.set_defaults(func=cmd_export)
+
 
     g = sub.add_parser("generate", help="generate text (streams to the terminal, then prints tok/s and tau)")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text (default: read stdin)")
