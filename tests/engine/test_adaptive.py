@@ -48,7 +48,8 @@ def test_adaptive_engine_is_lossless_and_uses_several_k(tiny_dirs):
     base = LLMEngine(target.config, target.weights, config=EngineConfig(max_model_len=64, page_size=4))
     expected = [s.output_ids for s in base.generate(prompts, params)]
     engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 8), dw,
-                       EngineConfig(max_model_len=64, page_size=4, max_num_seqs=4, adaptive_k=True))
+                       EngineConfig(max_model_len=64, page_size=8, max_num_seqs=4, adaptive_k=True,
+                                    page_bucket_factor=4))
     engine.warmup_all(modes=(GREEDY,))
     engine.controller.explore_every = 3
     assert [s.output_ids for s in engine.generate(prompts, params)] == expected
