@@ -4,14 +4,12 @@ preemption and bad requests."""
 import asyncio
 import contextlib
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
+from specjax.bench.serving import running
 from specjax.config import EngineConfig
 from specjax.llm import LLM
 from specjax.sampling import GREEDY
@@ -22,30 +20,11 @@ from specjax.serve.service import EngineService
 MODEL = "tiny-qwen3"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def live_server(llm: LLM):
     service = EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft)))
-    app = create_app(service, MODEL, default_max_tokens=16)
-    service.start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", service
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        service.stop()
+    with running(create_app(service, MODEL, default_max_tokens=16), service) as url:
+        yield url, service
 
 
 def make_llm(tiny_dirs, **engine_kw):

@@ -13,7 +13,7 @@ import numpy as np
 
 from specjax.config import ConfigError, ModelConfig
 from specjax.drafter.eagle3 import Eagle3Config, Eagle3Weights
-from specjax.model.loader import CheckpointError, read_json, read_safetensors_dir
+from specjax.model.loader import CheckpointError, TensorReader, read_json, read_safetensors_dir
 
 NAMES = {
     "fc": "fc.weight", "hidden_norm": "midlayer.hidden_norm.weight", "input_norm": "midlayer.input_layernorm.weight",
@@ -74,17 +74,10 @@ def load_eagle3(path: str, target: ModelConfig, dtype=jnp.float32):
     cfg = config_from_hf(read_json(os.path.join(path, "config.json"), "EAGLE-3 config.json"), target)
     check_target(cfg, target)
     tensors = {canonical(k): v for k, v in read_safetensors_dir(path).items()}
-    used: set[str] = set()
+    reader = TensorReader(tensors, path, "EAGLE-3 tensor")
 
     def take(role, shape, dtype_=np.float32):
-        name = NAMES[role]
-        if name not in tensors:
-            raise CheckpointError(f"{path}: missing EAGLE-3 tensor {name!r}")
-        arr = tensors[name]
-        if tuple(arr.shape) != shape:
-            raise CheckpointError(f"{path}: EAGLE-3 tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}")
-        used.add(name)
-        return np.asarray(arr, dtype=dtype_)
+        return reader.take(NAMES[role], shape, dtype_)
 
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     qs, kvs = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -103,7 +96,7 @@ def load_eagle3(path: str, target: ModelConfig, dtype=jnp.float32):
         w_gate_up=dev(np.concatenate([take("gate", (f, h)), take("up", (f, h))], axis=0).T),
         w_down=dev(take("down", (h, f)).T), norm=dev(take("norm", (h,))),
         lm_head=dev(take("lm_head", (cfg.draft_vocab_size, h)).T), d2t=d2t)
-    unexpected = sorted(set(tensors) - used - IGNORED)
+    unexpected = reader.unexpected(IGNORED)
     if unexpected:
         raise CheckpointError(f"{path}: unexpected EAGLE-3 tensors {unexpected[:8]}")
     return cfg, weights

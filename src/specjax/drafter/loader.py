@@ -18,7 +18,7 @@ import numpy as np
 
 from specjax.config import DrafterConfig, ModelConfig, RopeConfig, default_target_layer_ids
 from specjax.drafter.dflash import DFlashWeights, DrafterLayer
-from specjax.model.loader import CheckpointError, read_json, read_safetensors_dir
+from specjax.model.loader import CheckpointError, TensorReader, read_json, read_safetensors_dir
 
 
 def drafter_layer_names(i: int) -> dict[str, str]:
@@ -53,16 +53,8 @@ def load_drafter(path: str, target: ModelConfig | None = None, dtype=jnp.float32
 
 
 def assemble_drafter(cfg: DrafterConfig, tensors: dict[str, np.ndarray], source: str, dtype=jnp.float32):
-    used: set[str] = set()
-
-    def take(name, shape):
-        if name not in tensors:
-            raise CheckpointError(f"{source}: missing drafter tensor {name!r}")
-        arr = tensors[name]
-        if tuple(arr.shape) != shape:
-            raise CheckpointError(f"{source}: drafter tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}")
-        used.add(name)
-        return np.asarray(arr, dtype=np.float32)
+    reader = TensorReader(tensors, source, "drafter tensor")
+    take = reader.take
 
     h, dh, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     qs, kvs = cfg.num_heads * dh, cfg.num_kv_heads * dh
@@ -89,7 +81,7 @@ def assemble_drafter(cfg: DrafterConfig, tensors: dict[str, np.ndarray], source:
         norm=dev(take(GLOBAL_NAMES["norm"], (h,))),
         mask_embedding=mask_embedding,
     )
-    unexpected = sorted(set(tensors) - used)
+    unexpected = reader.unexpected()
     if unexpected:
         hint = " (set dflash_config.mask_embedding: true to use it)" if "mask_embedding" in unexpected else ""
         raise CheckpointError(f"{source}: unexpected drafter tensors {unexpected[:8]}{hint}")

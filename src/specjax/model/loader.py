@@ -106,24 +106,36 @@ def permute_llama_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+class TensorReader:
+    """Takes named tensors out of a checkpoint dict, checking presence and shape; remembers what was used so
+    that leftovers can be reported (a wrong config or a wrong file, not something to ignore silently)."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], source: str, what: str = "tensor"):
+        self.tensors, self.source, self.what = tensors, source, what
+        self.used: set[str] = set()
+
+    def take(self, name: str, shape: tuple[int, ...], dtype=np.float32):
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.source}: missing {self.what} {name!r}")
+        arr = self.tensors[name]
+        if tuple(arr.shape) != shape:
+            raise CheckpointError(f"{self.source}: {self.what} {name!r} has shape {tuple(arr.shape)}, "
+                                  f"expected {shape}")
+        self.used.add(name)
+        return np.asarray(arr, dtype=dtype)
+
+    def unexpected(self, ignored=()) -> list[str]:
+        return sorted(k for k in self.tensors if k not in self.used and k not in ignored)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Assembly (shared by both formats)
 # --------------------------------------------------------------------------------------------------------------
 
 def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str, dtype=jnp.float32) -> TargetWeights:
     """Build TargetWeights from HF-named [out, in] arrays, checking names and shapes against `cfg`."""
-    used: set[str] = set()
-
-    def take(name: str, shape: tuple[int, ...], required: bool = True):
-        if name not in tensors:
-            if required:
-                raise CheckpointError(f"{source}: missing tensor {name!r}")
-            return None
-        arr = tensors[name]
-        if tuple(arr.shape) != shape:
-            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}")
-        used.add(name)
-        return np.asarray(arr, dtype=np.float32)
+    reader = TensorReader(tensors, source)
+    take = reader.take
 
     d, v, h, f = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
     qs, kvs = cfg.q_size, cfg.kv_size
@@ -150,10 +162,10 @@ def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: st
     final_norm = take(HF_GLOBAL_NAMES["final_norm"], (d,))
     if cfg.tie_word_embeddings:
         lm_head = None
-        used.add(HF_GLOBAL_NAMES["lm_head"])  # some tied checkpoints still carry a copy; HF ignores it too
+        reader.used.add(HF_GLOBAL_NAMES["lm_head"])  # some tied checkpoints still carry a copy; HF ignores it too
     else:
         lm_head = dev(take(HF_GLOBAL_NAMES["lm_head"], (v, d)).T)
-    unexpected = sorted(k for k in tensors if k not in used and not HF_IGNORED.match(k))
+    unexpected = [k for k in reader.unexpected() if not HF_IGNORED.match(k)]
     if unexpected:
         raise CheckpointError(f"{source}: unexpected tensors for {cfg.family} config: {unexpected[:8]}")
     return TargetWeights(embed=dev(embed), layers=tuple(layers), final_norm=dev(final_norm), lm_head=lm_head)
