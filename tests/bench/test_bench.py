@@ -37,16 +37,17 @@ def test_geometric_fit_recovers_alpha_from_synthetic_traces():
 
 def test_bench_and_theory_cli_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "bench"
-    assert main(["bench", "--model", tiny_dirs["qwen3"], "--methods", "ar,ngram,dflash", "--drafter", "random:1",
+    assert main(["bench", "--model", tiny_dirs["qwen3"], "--methods", "ar,ngram@2,dflash", "--drafter", "random:1",
                  "--block-size", "4", "--datasets", "gsm8k,mt_bench", "--num-prompts", "1", "--max-new-tokens", "8",
                  "--max-model-len", "1024", "--out-dir", str(out), "--compile-cache", ""]) == 0
     stdout = capsys.readouterr().out
-    assert "| gsm8k | dflash |" in stdout and "| mt_bench | ngram |" in stdout
+    assert "| gsm8k | dflash |" in stdout and "| mt_bench | ngram@2 |" in stdout
     record = json.loads((out / "bench.json").read_text())
     recs = {(r["dataset"], r["method"]): r for r in record["records"]}
     assert recs[("mt_bench", "ar")]["num_requests"] == 2  # both turns
     assert all(r["matches_ar"] for r in record["records"])  # greedy: every method reproduces plain decoding
     assert recs[("gsm8k", "ar")]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert recs[("gsm8k", "ngram@2")]["num_draft_tokens"] == 2 and recs[("gsm8k", "dflash")]["block_size"] == 4
     assert (out / "bench_speedup.png").exists() and (out / "bench_per_position.png").exists()
     kflat = tmp_path / "kflat"
     assert main(["analyze", "kflat", "--model", tiny_dirs["qwen3"], "--q", "1,2,4,8", "--context", "32",

@@ -71,7 +71,7 @@ def analyze(bench: dict, kflat: dict | None, max_k: int = 64) -> list[dict]:
                 if tv is None:
                     break
                 # A block drafter (DFlash) runs a block of K+1; chained drafters are not in kflat: cost 0 here.
-                td = draft_time(kflat, k + 1) if rec["method"] == "dflash" else 0.0
+                td = draft_time(kflat, k + 1) if rec["method"].startswith("dflash") else 0.0
                 speed.append(row["tau_empirical"][k - 1] * t1 / (tv + td))
             row["predicted_speedup"] = speed
             if speed:

@@ -35,11 +35,13 @@ def cmd_bench(args) -> int:
     datasets = {name: load_eval(name, args.data_dir, args.data_file)[:num_prompts] for name in datasets_arg.split(",")}
     params = SamplingParams(temperature=args.temperature, max_new_tokens=max_new, seed=args.seed)
     llms = {}
-    for m in methods:
-        cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=args.num_draft_tokens
-                           if m != "ar" else None)
-        drafter = {"dflash": args.drafter, "eagle3": args.eagle3_drafter}.get(m)
-        llms[m] = LLM(args.model, drafter, m, args.block_size, cfg, args.dtype, target=target)
+    for spec in methods:  # "name" or "name@K" (K drafts per step; for dflash a block of K + 1)
+        name, _, k = spec.partition("@")
+        k = int(k) if k else (args.num_draft_tokens if name != "ar" else None)
+        block = (k + 1) if (name == "dflash" and "@" in spec) else args.block_size
+        cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=k)
+        drafter = {"dflash": args.drafter, "eagle3": args.eagle3_drafter}.get(name)
+        llms[spec] = LLM(args.model, drafter, name, block, cfg, args.dtype, target=target)
     all_prompts = [p for ps in datasets.values() for p in ps]
     print(f"warming up {len(llms)} methods (compiling every step shape once)...", file=sys.stderr)
     for llm in llms.values():
@@ -51,31 +53,31 @@ def cmd_bench(args) -> int:
     bar.close()
     block = {m: getattr(llm.engine.proposer, "block_size", None) for m, llm in llms.items()}
     if args.peer == "dflash-reference":
-        if "dflash" not in llms or llms["dflash"].drafter_path is None or \
-                llms["dflash"].drafter_path.startswith("random"):
+        dflash = next((m for m in llms if m.partition("@")[0] == "dflash"), None)
+        if dflash is None or llms[dflash].drafter_path is None or llms[dflash].drafter_path.startswith("random"):
             raise ConfigError("--peer dflash-reference needs --methods ...,dflash with a drafter checkpoint directory")
         from specjax.bench.harness import peer_run
         from specjax.bench.peer import run_reference
 
-        llm = llms["dflash"]
+        llm = llms[dflash]
         print("running the reference dflash package (PyTorch, CPU) on the same prompts...", file=sys.stderr)
-        for run in [r for r in runs if r.method == "dflash"]:
+        for run in [r for r in runs if r.method == dflash]:
             results = run_reference(target, llm.drafter_path, [r.prompt_ids for r in run.records], max_new,
-                                    block["dflash"], list(llm.engine.eos_token_ids),
+                                    block[dflash], list(llm.engine.eos_token_ids),
                                     os.path.join(os.path.dirname(DEFAULT_CACHE), "export"))
             runs.append(peer_run(run.records, results, "dflash-reference", run.dataset))
-        block["dflash-reference"] = block["dflash"]
+        block["dflash-reference"] = block[dflash]
+        llms["dflash-reference"] = llm
     records = [summarize(r, block[r.method]) for r in runs]
     add_comparisons(records, params.is_greedy)
     for r in records:
-        r["num_draft_tokens"] = llms[r["method"].removesuffix("-reference")].engine.num_draft
+        r["num_draft_tokens"] = llms[r["method"]].engine.num_draft
     print(markdown_table(records))
     record = {"kind": "bench", "wall_s": time.perf_counter() - t0, "machine": machine_info(),
               "config": {"methods": methods, "datasets": list(datasets), "num_prompts": num_prompts,
                          "max_new_tokens": max_new, "temperature": args.temperature, "block_size": args.block_size,
                          "num_draft_tokens": args.num_draft_tokens, "model": target.source,
-                         "drafter": llms["dflash"].drafter_path if "dflash" in llms else None,
-                         "eagle3_drafter": llms["eagle3"].drafter_path if "eagle3" in llms else None,
+                         "drafters": {m: llm.drafter_path for m, llm in llms.items() if llm.drafter_path},
                          "command": " ".join(sys.argv)},
               "records": records}
     if args.out_dir:
@@ -164,7 +166,8 @@ def cmd_analyze_theory(args) -> int:
 
 def register(sub) -> None:
     b = sub.add_parser("bench", help="tau, acceptance, TPOT and speedup per dataset x method, in one run")
-    b.add_argument("--methods", default="ar,dflash,ngram")
+    b.add_argument("--methods", default="ar,dflash,ngram",
+                   help="comma-separated; name@K sets K drafts per step (dflash@7 = block 8)")
     b.add_argument("--datasets", default=None, help="default gsm8k,math500,humaneval,mbpp,mt_bench")
     b.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 10)")
     b.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
