@@ -109,3 +109,14 @@ def test_a_few_steps_reduce_the_loss(setup):
         weights, state, loss = step(weights, state)
         losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_fc_init_equalises_massive_input_dimensions():
+    from specjax.train.trainer import scale_fc_init
+
+    fc = jax.random.normal(jax.random.PRNGKey(0), (6, 4)) * 0.02
+    rms = jnp.asarray([1.0, 1.0, 3000.0, 2.0, 1.0, 0.5])
+    out = np.asarray(scale_fc_init(fc, rms))
+    ratio = np.abs(out / np.asarray(fc))
+    np.testing.assert_allclose(ratio[2] * 3000, ratio[0], rtol=1e-5)  # the massive row is scaled down 3000x
+    assert np.sqrt(np.mean(out ** 2)) == pytest.approx(float(np.sqrt(np.mean(np.asarray(fc) ** 2))), rel=1e-5)

@@ -104,6 +104,31 @@ def target_features(tw: tgt.TargetWeights, tokens, tcfg: ModelConfig, tap_indice
     return jax.lax.stop_gradient(taps)
 
 
+def tap_statistics(target, batches: "SequenceBatches", tap_indices, num_batches: int = 2) -> jax.Array:
+    """Per-input-dimension RMS of the concatenated target taps over a few training batches."""
+    total, count = 0.0, 0
+    for step in range(num_batches):
+        tokens, _, lengths, _ = batches.batch(step)
+        taps = target_features(target.weights, jnp.asarray(tokens), target.config, tap_indices)
+        valid = (jnp.arange(tokens.shape[1])[None, :] < jnp.asarray(lengths)[:, None])[..., None]
+        total = total + jnp.sum(jnp.where(valid, taps * taps, 0.0), axis=(0, 1))
+        count += int(lengths.sum())
+    return jnp.sqrt(total / max(count, 1))
+
+
+def scale_fc_init(fc: jax.Array, tap_rms: jax.Array) -> jax.Array:
+    """Data-dependent init of the feature fusion fc [in, out]: divide each input row by that input's RMS.
+
+    Small targets have "massive activations" (SmolLM2: one residual dimension with RMS ~3000 where the median
+    is ~10); with a plain random fc that single dimension dominates every fused feature, which then carries
+    almost no information about the position, and training crawls.  Scaling rows by 1/RMS starts every input
+    dimension on an equal footing (the format is unchanged: fc is still a plain linear map of the raw taps).
+    """
+    scaled = fc / jnp.maximum(tap_rms, 1e-6)[:, None]
+    target_rms = jnp.sqrt(jnp.mean(fc * fc))
+    return (scaled * target_rms / jnp.sqrt(jnp.mean(scaled * scaled))).astype(fc.dtype)
+
+
 def make_optimizer(cfg: TrainConfig):
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(1, int(cfg.warmup_ratio * cfg.steps)),
                                                   max(2, cfg.steps), end_value=0.0)
@@ -125,10 +150,12 @@ class DFlashMethod:
     def tap_indices(self):
         return self.dcfg.hidden_state_indices
 
-    def init_params(self, key, target):
+    def init_params(self, key, target, tap_rms=None):
         from specjax.drafter.loader import init_drafter
 
         params = init_drafter(self.dcfg, key, dtype=target.weights.embed.dtype)
+        if tap_rms is not None:
+            params = dataclasses.replace(params, fc=scale_fc_init(params.fc, tap_rms))
         if params.mask_embedding is not None:  # start the learned mask at the typical embedding, not at noise
             params = dataclasses.replace(params, mask_embedding=jnp.mean(target.weights.embed, axis=0))
         return params
@@ -177,10 +204,13 @@ class Eagle3Method:
         ids = np.asarray(self.draft_ids)
         return jnp.asarray(ids - np.arange(len(ids)), jnp.int32)
 
-    def init_params(self, key, target):
+    def init_params(self, key, target, tap_rms=None):
         from specjax.drafter.eagle3_loader import init_eagle3
 
         w = init_eagle3(self.ecfg, key, draft_token_ids=np.asarray(self.draft_ids), dtype=target.weights.embed.dtype)
+        if tap_rms is not None:
+            # EAGLE-3 also feeds fc's raw output into the residual stream: keep its scale near the target's (~1/dim)
+            w = dataclasses.replace(w, fc=scale_fc_init(w.fc, tap_rms))
         return dataclasses.replace(w, d2t=None)  # the integer map is a constant, not a trainable leaf
 
     def constants(self, target):
@@ -312,7 +342,8 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     batches = SequenceBatches(store, cfg)
     optimizer, schedule = make_optimizer(cfg)
     tw, tcfg = target.weights, target.config
-    params = method.init_params(jax.random.PRNGKey(cfg.seed), target)
+    tap_rms = tap_statistics(target, batches, method.tap_indices)
+    params = method.init_params(jax.random.PRNGKey(cfg.seed), target, tap_rms)
     opt_state = optimizer.init(params)
     step0 = 0
     log_path = os.path.join(out_dir, "log.jsonl")
