@@ -79,6 +79,13 @@ def test_train_drafter_cli_and_resume(tiny_dirs, tmp_path, capsys):
     assert os.path.isfile(os.path.join(out, "curve.png"))
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 4
+    # the same run from a feature cache (tap 1 = output of layer 0, tap 3 = output of layer 2)
+    assert main(["cache-features", "--target", tiny_dirs["qwen3"], "--data", str(tmp_path / "data"), "--out",
+                 str(tmp_path / "feats"), "--tap-indices", "1,3", "--max-len", "512", "--compile-cache", ""]) == 0
+    cached_run = common[:6] + [out + "-cached"] + common[7:]
+    assert main(cached_run + ["--steps", "2", "--features", str(tmp_path / "feats")]) == 0
+    cached_rows = [json.loads(line) for line in open(os.path.join(out + "-cached", "log.jsonl"))]
+    assert cached_rows[0]["step"] == 2 and np.isfinite(cached_rows[0]["loss"])
 
 
 def test_train_eagle3_cli(tiny_dirs, tmp_path, capsys):
@@ -98,3 +105,52 @@ def test_train_eagle3_cli(tiny_dirs, tmp_path, capsys):
     cfg, w = load_eagle3(os.path.join(out, "drafter"), load_model(tiny_dirs["llama"]).config)
     assert cfg.draft_vocab_size == 64 and w.d2t is not None
     assert "draft vocabulary: 64 tokens" in capsys.readouterr().err
+
+
+def test_feature_cache_matches_online_features_and_resumes(tiny_dirs, tmp_path):
+    import jax.numpy as jnp
+
+    from specjax.model.loader import load_model
+    from specjax.train.features import FeatureCache, build_feature_cache
+    from specjax.train.trainer import target_features
+
+    target = load_model(tiny_dirs["qwen3"])
+    store = TokenStore(str(tmp_path / "data"), 300)
+    rng = np.random.default_rng(2)
+    lens = [70, 33, 100, 64, 90]
+    for i, n in enumerate(lens):
+        store.append(f"s{i}", "toy", rng.integers(0, 256, n), 5, "length")
+    taps = (1, 3)
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_first(done, total):
+        raise Crash
+
+    with pytest.raises(Crash):  # an interrupted build keeps what it finished
+        build_feature_cache(target, store, str(tmp_path / "c"), taps, max_len=96, batch_tokens=128,
+                            progress=crash_after_first)
+    partial = FeatureCache(str(tmp_path / "c"))
+    assert 0 < partial.meta["done"] < len(lens) and not partial.complete
+    with pytest.raises(ValueError, match="incomplete"):
+        partial.check(store, taps, target.config.hidden_size, 96)
+    cache = build_feature_cache(target, store, str(tmp_path / "c"), taps, max_len=96, batch_tokens=128)
+    cache.check(store, (3,), target.config.hidden_size, 96)
+    seqs = [t for _, t in store.sequences()]
+    toks = np.zeros((2, 128), np.int32)
+    for r, i in enumerate([2, 4]):
+        toks[r, :min(lens[i], 96)] = seqs[i][:96]
+    online = np.asarray(target_features(target.weights, jnp.asarray(toks), target.config, (3,)))
+    cached = cache.batch([2, 4], 128, (3,))
+    for r, i in enumerate([2, 4]):
+        n = min(lens[i], 96)
+        np.testing.assert_allclose(cached[r, :n], online[r, :n], rtol=2e-3, atol=2e-3)
+        assert not cached[r, n:].any()
+    with pytest.raises(ValueError, match=r"not \[2\]"):
+        cache.check(store, (2, 3), target.config.hidden_size, 96)
+    with pytest.raises(ValueError, match="max_len=128"):
+        cache.check(store, taps, target.config.hidden_size, 128)
+    store.append("s9", "toy", rng.integers(0, 256, 40), 5, "length")
+    with pytest.raises(ValueError, match="built for a store of 5 sequences"):
+        cache.check(store, taps, target.config.hidden_size, 96)

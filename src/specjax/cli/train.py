@@ -1,4 +1,4 @@
-"""`specjax regenerate` (target answers training prompts) and `specjax train-drafter`."""
+"""`specjax regenerate` (target answers training prompts), `specjax cache-features` and `specjax train-drafter`."""
 
 from __future__ import annotations
 
@@ -52,6 +52,39 @@ def cmd_regenerate(args) -> int:
     return 0
 
 
+def cmd_cache_features(args) -> int:
+    from tqdm import tqdm
+
+    from specjax.config import default_target_layer_ids
+    from specjax.drafter.eagle3_loader import default_aux_ids
+    from specjax.llm import DTYPES
+    from specjax.model.loader import load_model
+    from specjax.train.features import build_feature_cache
+    from specjax.train.store import TokenStore
+
+    enable_compile_cache(args.compile_cache)
+    target = load_model(args.target, DTYPES["float32"])
+    n = target.config.num_layers
+    if args.tap_indices:
+        taps = tuple(int(x) for x in args.tap_indices.split(","))
+    else:  # what default DFlash (--num-taps) and EAGLE-3 drafters of this target read
+        taps = tuple(i + 1 for i in default_target_layer_ids(n, min(args.num_taps, n))) + tuple(default_aux_ids(n))
+    bad = [i for i in taps if not 0 <= i <= n]
+    if bad:
+        raise SystemExit(f"error: tap indices {bad} out of range 0..{n} (hidden-state index i = output of layer i-1)")
+    store = TokenStore(args.data)
+    bar = tqdm(total=len(store), unit="seq", dynamic_ncols=True)
+
+    def progress(done, total):
+        bar.update(done - bar.n)
+
+    cache = build_feature_cache(target, store, args.out, taps, args.max_len, args.batch_tokens, progress)
+    bar.close()
+    print(json.dumps({"out": args.out, "tap_indices": cache.tap_indices, "rows": int(cache.lengths.sum()),
+                      "bytes": int(cache.lengths.sum()) * len(cache.tap_indices) * cache.hidden * 2}))
+    return 0
+
+
 def cmd_train_drafter(args) -> int:
     import numpy as np
 
@@ -96,8 +129,13 @@ def cmd_train_drafter(args) -> int:
             prompts = load_eval(name, args.data_dir)[: args.eval_prompts]
             eval_sets[name] = [target.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}])
                                for p in prompts]
+    features = None
+    if args.features:
+        from specjax.train.features import FeatureCache
+
+        features = FeatureCache(args.features)
     summary = train_drafter(target, store, args.out, method, cfg, args.resume, eval_sets, args.eval_max_new_tokens,
-                            args.save_dtype)
+                            args.save_dtype, features=features)
     print(json.dumps(summary))
     return 0
 
@@ -118,6 +156,18 @@ def register(sub) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--compile-cache", default=DEFAULT_CACHE)
     r.set_defaults(func=cmd_regenerate)
+
+    c = sub.add_parser("cache-features", help="run the frozen target once over a token store and cache its taps")
+    c.add_argument("--target", default="default")
+    c.add_argument("--data", required=True, help="token store written by `specjax regenerate`")
+    c.add_argument("--out", required=True, help="cache directory (resumes a partial cache)")
+    c.add_argument("--tap-indices", default=None, help="hidden-state indices to cache (default: the union of "
+                   "the default DFlash and EAGLE-3 taps for this target)")
+    c.add_argument("--num-taps", type=int, default=5, help="DFlash taps assumed by the default --tap-indices")
+    c.add_argument("--max-len", type=int, default=512, help="tokens cached per sequence")
+    c.add_argument("--batch-tokens", type=int, default=2048, help="tokens per target forward")
+    c.add_argument("--compile-cache", default=DEFAULT_CACHE)
+    c.set_defaults(func=cmd_cache_features)
 
     t = sub.add_parser("train-drafter", help="train a DFlash drafter on target-regenerated data (resumable)")
     t.add_argument("--target", default="default")
@@ -152,5 +202,7 @@ def register(sub) -> None:
     t.add_argument("--data-dir", default=None)
     t.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
     t.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
+    t.add_argument("--features", default=None, help="feature cache from `specjax cache-features` (default: "
+                   "compute target features online, one forward per batch)")
     t.add_argument("--compile-cache", default=DEFAULT_CACHE)
     t.set_defaults(func=cmd_train_drafter)

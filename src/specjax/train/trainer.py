@@ -1,10 +1,9 @@
-"""DFlash drafter training loop: data batches from a TokenStore, online target features, AdamW + cosine,
-periodic checkpoints (resumable), tau evaluation with the real speculative engine, loss/tau curves.
+"""Drafter training loop: data batches from a TokenStore, target features (online or from a FeatureCache),
+AdamW + cosine, periodic checkpoints (resumable), tau evaluation with the real speculative engine, loss/tau curves.
 
-Target features are computed online, per batch, by the frozen target (one forward over the padded batch).
-Measured on the 2-core CPU with SmolLM2 (see the README training section): the target forward is a minority of
-a step, and at the one-to-two epochs a CPU budget allows, caching features (5 taps x 576 floats per token on
-disk) would save at most that share once, at the cost of gigabytes of disk per million tokens.
+Target features: online (one frozen-target forward per batch) or read from a `specjax cache-features` cache.
+On the 2-core CPU with SmolLM2 the forward is about half of an online step (see train/features.py), so the
+cache roughly doubles training throughput once built and is shared by the DFlash and EAGLE-3 runs.
 """
 
 from __future__ import annotations
@@ -62,35 +61,38 @@ class SequenceBatches:
     def __init__(self, store: TokenStore, cfg: TrainConfig, holdout_ids: set[str] = frozenset()):
         self.cfg = cfg
         self.seqs = []
-        for rec, toks in store.sequences():
+        for index, (rec, toks) in enumerate(store.sequences()):
             if rec["id"] in holdout_ids:
                 continue
             toks = toks[: cfg.max_len]
             if len(toks) - rec["prompt_len"] >= 2 * cfg.block_size:  # spec: drop samples with < 2Q response tokens
-                self.seqs.append((toks, rec["prompt_len"]))
+                self.seqs.append((toks, rec["prompt_len"], index))
         if not self.seqs:
             raise ValueError(f"no usable training sequences in {store.path} (need >= {2 * cfg.block_size} "
                              "response tokens each)")
-        self.num_tokens = sum(len(t) for t, _ in self.seqs)
+        self.num_tokens = sum(len(t) for t, _, _ in self.seqs)
 
     @property
     def batches_per_epoch(self) -> int:
         return max(1, len(self.seqs) // self.cfg.batch_size)
 
     def batch(self, step: int):
-        """The batch of global step `step` (deterministic in (seed, step): resuming needs no data state)."""
+        """The batch of global step `step` (deterministic in (seed, step): resuming needs no data state).
+
+        Returns tokens [B, S], loss mask [B, S], lengths [B], epoch, and the store indices of the B sequences.
+        """
         epoch, i = divmod(step, self.batches_per_epoch)
         order = np.random.default_rng((self.cfg.seed, epoch)).permutation(len(self.seqs))
         picked = [self.seqs[j] for j in order[i * self.cfg.batch_size:(i + 1) * self.cfg.batch_size]]
-        s = -(-max(len(t) for t, _ in picked) // 64) * 64
+        s = -(-max(len(t) for t, _, _ in picked) // 64) * 64
         tokens = np.zeros((len(picked), s), np.int32)
         mask = np.zeros((len(picked), s), bool)
         lengths = np.zeros((len(picked),), np.int32)
-        for r, (t, p) in enumerate(picked):
+        for r, (t, p, _) in enumerate(picked):
             tokens[r, :len(t)] = t
             mask[r, p:len(t)] = True
             lengths[r] = len(t)
-        return tokens, mask, lengths, epoch
+        return tokens, mask, lengths, epoch, [i for _, _, i in picked]
 
 
 @partial(jax.jit, static_argnames=("tcfg", "tap_indices"))
@@ -104,12 +106,19 @@ def target_features(tw: tgt.TargetWeights, tokens, tcfg: ModelConfig, tap_indice
     return jax.lax.stop_gradient(taps)
 
 
-def tap_statistics(target, batches: "SequenceBatches", tap_indices, num_batches: int = 2) -> jax.Array:
+def batch_features(target, tokens, seq_indices, tap_indices, cache=None) -> jax.Array:
+    """Taps for a training batch: from the feature cache when there is one, else one target forward."""
+    if cache is not None:
+        return jnp.asarray(cache.batch(seq_indices, tokens.shape[1], tap_indices))
+    return target_features(target.weights, jnp.asarray(tokens), target.config, tap_indices)
+
+
+def tap_statistics(target, batches: "SequenceBatches", tap_indices, num_batches: int = 2, cache=None) -> jax.Array:
     """Per-input-dimension RMS of the concatenated target taps over a few training batches."""
     total, count = 0.0, 0
     for step in range(num_batches):
-        tokens, _, lengths, _ = batches.batch(step)
-        taps = target_features(target.weights, jnp.asarray(tokens), target.config, tap_indices)
+        tokens, _, lengths, _, idx = batches.batch(step)
+        taps = batch_features(target, tokens, idx, tap_indices, cache)
         valid = (jnp.arange(tokens.shape[1])[None, :] < jnp.asarray(lengths)[:, None])[..., None]
         total = total + jnp.sum(jnp.where(valid, taps * taps, 0.0), axis=(0, 1))
         count += int(lengths.sum())
@@ -334,15 +343,20 @@ def plot_curves(log_path: str, png_path: str) -> None:
 
 def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainConfig, resume: bool,
                   eval_sets: dict[str, list[list[int]]], eval_max_new_tokens: int = 96, save_dtype: str = "float32",
-                  show_progress: bool = True) -> dict:
-    """Train (or resume) a drafter for `target`; writes out_dir/{drafter,checkpoint,log.jsonl,curve.png}."""
+                  show_progress: bool = True, features=None) -> dict:
+    """Train (or resume) a drafter for `target`; writes out_dir/{drafter,checkpoint,log.jsonl,curve.png}.
+
+    `features`: an optional FeatureCache over `store` holding the method's taps (checked before training).
+    """
     from tqdm import tqdm
 
     os.makedirs(out_dir, exist_ok=True)
     batches = SequenceBatches(store, cfg)
     optimizer, schedule = make_optimizer(cfg)
-    tw, tcfg = target.weights, target.config
-    tap_rms = tap_statistics(target, batches, method.tap_indices)
+    tcfg = target.config
+    if features is not None:
+        features.check(store, method.tap_indices, tcfg.hidden_size, cfg.max_len)
+    tap_rms = tap_statistics(target, batches, method.tap_indices, cache=features)
     params = method.init_params(jax.random.PRNGKey(cfg.seed), target, tap_rms)
     opt_state = optimizer.init(params)
     step0 = 0
@@ -354,15 +368,16 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
         os.remove(log_path)
     with open(os.path.join(out_dir, "train_config.json"), "w") as fh:
         json.dump({"method": method.name, "train": dataclasses.asdict(cfg), "data": store.path,
+                   "features": features.path if features is not None else "online",
                    "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens}, fh, indent=1)
     consts = method.constants(target)
     bar = tqdm(total=cfg.steps, initial=step0, unit="step", dynamic_ncols=True, disable=not show_progress)
     t_start, tokens_seen = time.perf_counter(), 0
     summary = {}
     for step in range(step0, cfg.steps):
-        tokens, mask, lengths, epoch = batches.batch(step)
+        tokens, mask, lengths, epoch, idx = batches.batch(step)
         extra = method.host_inputs((cfg.seed, step), mask, lengths)
-        taps = target_features(tw, jnp.asarray(tokens), tcfg, method.tap_indices)
+        taps = batch_features(target, tokens, idx, method.tap_indices, features)
         params, opt_state, loss, aux, gnorm = train_step(
             params, opt_state, consts, jnp.asarray(tokens), taps, jnp.asarray(mask), jnp.asarray(lengths), extra,
             method=method, optimizer=optimizer)
