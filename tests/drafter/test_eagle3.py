@@ -142,3 +142,18 @@ def test_ttt_loss_decreases(setup):
         weights, state, loss = step(weights, state)
         losses.append(float(loss))
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_bfloat16_checkpoint_round_trips(setup, tmp_path):
+    import ml_dtypes
+
+    target, cfg, weights, _ = setup
+    save_eagle3(str(tmp_path), cfg, weights, target.config.num_layers, dtype="bfloat16")
+    cfg2, w2 = load_eagle3(str(tmp_path), target.config)
+    assert cfg2 == cfg
+    for name in ("fc", "w_q", "lm_head", "norm"):
+        expected = np.asarray(getattr(weights, name)).astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(getattr(w2, name)), expected)
+    np.testing.assert_array_equal(np.asarray(w2.d2t), np.asarray(weights.d2t))  # integer maps stay exact
+    with pytest.raises(ValueError, match="unsupported drafter dtype"):
+        save_eagle3(str(tmp_path), cfg, weights, target.config.num_layers, dtype="float16")

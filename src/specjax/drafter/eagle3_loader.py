@@ -102,9 +102,14 @@ def load_eagle3(path: str, target: ModelConfig, dtype=jnp.float32):
     return cfg, weights
 
 
-def save_eagle3(path: str, cfg: Eagle3Config, w: Eagle3Weights, num_target_layers: int) -> None:
-    """SafeAILab layout (`midlayer.*`, d2t, t2d) + a Llama-style config.json."""
+def save_eagle3(path: str, cfg: Eagle3Config, w: Eagle3Weights, num_target_layers: int,
+                dtype: str = "float32") -> None:
+    """SafeAILab layout (`midlayer.*`, d2t, t2d) + a Llama-style config.json; float tensors in `dtype`."""
+    import ml_dtypes
     from safetensors.numpy import save_file
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"unsupported drafter dtype {dtype!r} (float32, bfloat16)")
 
     os.makedirs(path, exist_ok=True)
     kvs = cfg.num_kv_heads * cfg.head_dim
@@ -115,7 +120,7 @@ def save_eagle3(path: str, cfg: Eagle3Config, w: Eagle3Weights, num_target_layer
          NAMES["q"]: np.asarray(w.w_q).T, NAMES["k"]: w_kv[:kvs], NAMES["v"]: w_kv[kvs:],
          NAMES["o"]: np.asarray(w.w_o).T, NAMES["gate"]: gate, NAMES["up"]: up, NAMES["down"]: np.asarray(w.w_down).T,
          NAMES["norm"]: np.asarray(w.norm), NAMES["lm_head"]: np.asarray(w.lm_head).T}
-    t = {k: np.ascontiguousarray(v, np.float32) for k, v in t.items()}
+    t = {k: np.ascontiguousarray(v, np.float32 if dtype == "float32" else ml_dtypes.bfloat16) for k, v in t.items()}
     if w.d2t is not None:
         d2t = np.asarray(w.d2t, np.int64)
         t[NAMES["d2t"]] = d2t
@@ -130,7 +135,7 @@ def save_eagle3(path: str, cfg: Eagle3Config, w: Eagle3Weights, num_target_layer
               "rope_theta": cfg.rope_theta, "target_hidden_size": cfg.target_hidden_size,
               "eagle_aux_hidden_state_layer_ids": list(cfg.aux_hidden_state_ids), "hidden_act": "silu",
               "norm_before_residual": cfg.norm_before_residual, "num_target_layers": num_target_layers,
-              "tie_word_embeddings": False, "torch_dtype": "float32"}
+              "tie_word_embeddings": False, "torch_dtype": dtype}
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2)
 

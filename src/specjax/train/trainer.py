@@ -242,7 +242,7 @@ class Eagle3Method:
     def save(self, path, params, dtype="float32"):
         from specjax.drafter.eagle3_loader import save_eagle3
 
-        save_eagle3(path, self.ecfg, self.full(params), num_target_layers=self.num_target_layers)
+        save_eagle3(path, self.ecfg, self.full(params), num_target_layers=self.num_target_layers, dtype=dtype)
 
     def load(self, path, tcfg):
         from specjax.drafter.eagle3_loader import load_eagle3
