@@ -23,3 +23,17 @@ def test_generate_plain_decoding_no_chat(tiny_dirs, capsys):
     assert main(["generate", "abc", "--model", tiny_dirs["llama"], "--method", "ar", "--no-chat",
                  "--max-new-tokens", "5", "--max-model-len", "64", "--compile-cache", "", "--no-warmup"]) == 0
     assert "--- ar |" in capsys.readouterr().err
+
+
+def test_generate_adaptive_k_gives_the_plain_decoding_text(tiny_dirs, tmp_path, capsys):
+    drafter = str(tmp_path / "drafter")
+    assert main(["init-drafter", "--target", tiny_dirs["qwen3"], "--out", drafter, "--layers", "1",
+                 "--block-size", "4", "--target-layer-ids", "0,2", "--mask-token-id", "299"]) == 0
+    common = ["generate", "count with me", "--model", tiny_dirs["qwen3"], "--max-new-tokens", "16",
+              "--max-model-len", "128", "--compile-cache", "", "--json"]
+    texts = []
+    for extra in (["--method", "ar"], ["--drafter", drafter, "--adaptive-k"]):
+        capsys.readouterr()
+        assert main(common + extra) == 0
+        texts.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"])
+    assert texts[0] == texts[1]

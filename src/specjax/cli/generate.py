@@ -21,7 +21,8 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, args.drafter, args.method, args.block_size,
               EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=1,
-                           num_draft_tokens=args.num_draft_tokens), dtype=args.dtype, seed=args.seed or 0,
+                           num_draft_tokens=args.num_draft_tokens,
+                           adaptive_k=args.adaptive_k and args.method != "ar"), dtype=args.dtype, seed=args.seed or 0,
               ngram=tuple(int(x) for x in args.ngram.split(",")))
     load_s = time.perf_counter() - t0
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -104,6 +105,8 @@ def register(sub) -> None:
                    help="wrap the prompt in the model's chat template (default on)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every step shape before timing (default on)")
+    g.add_argument("--adaptive-k", action="store_true",
+                   help="choose K per step (0 = plain decoding) with the measured cost model, as `serve` does")
     g.add_argument("--json", action="store_true", help="also print one JSON line with the measurements")
     g.set_defaults(func=cmd_generate)
 
