@@ -16,7 +16,7 @@ def test_generate_with_random_drafter_prints_text_and_stats(tiny_dirs, tmp_path,
     record = json.loads(out.strip().splitlines()[-1])
     assert record["method"] == "dflash" and record["new_tokens"] >= 1 and record["tau"] >= 1
     assert "tau (mean acceptance length, bonus counted)" in err and "acceptance histogram" in err
-    assert "dflash (block 4, K=3)" in err
+    assert "dflash (block 4, K=3), adaptive K in (0, 1, 3)" in err
 
 
 def test_generate_plain_decoding_no_chat(tiny_dirs, capsys):

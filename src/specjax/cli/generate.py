@@ -39,6 +39,8 @@ def cmd_generate(args) -> int:
     decode_tokens = len(res.token_ids) - 1
     desc = {"ar": "ar", "ngram": f"ngram (K={engine.num_draft})", "eagle3": f"eagle3 (K={engine.num_draft})"}.get(
         llm.method, f"{llm.method} (block {getattr(engine.proposer, 'block_size', '-')}, K={engine.num_draft})")
+    if engine.controller is not None:
+        desc += f", adaptive K in {engine.k_options}"
     lines = [f"--- {desc} | load {load_s:.1f}s | prompt {len(ids)} tok | {len(res.token_ids)} new tok "
              f"({res.finish_reason}) | TTFT {res.ttft:.2f}s"]
     if res.tpot:
@@ -105,8 +107,9 @@ def register(sub) -> None:
                    help="wrap the prompt in the model's chat template (default on)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every step shape before timing (default on)")
-    g.add_argument("--adaptive-k", action="store_true",
-                   help="choose K per step (0 = plain decoding) with the measured cost model, as `serve` does")
+    g.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose K per step from (0, K/2, K) with the measured cost model, as `serve` does: "
+                        "speculation turns itself off where it does not pay (default on; --no-adaptive-k = fixed K)")
     g.add_argument("--json", action="store_true", help="also print one JSON line with the measurements")
     g.set_defaults(func=cmd_generate)
 

@@ -5,7 +5,8 @@ estimated online from every verified step (exponentially decayed counts, a geome
 cost(B, K) = measured seconds of a decode step at batch bucket B with K drafts (warm-up timings, then an
 exponential moving average of real steps).  The controller takes argmax_K expected_tokens(K) / cost(B, K), so
 when drafts stop paying for their verification (large batches on a compute-bound CPU, a drafter that misses)
-it falls back to K = 0, which costs exactly a plain decoding step.  Every `explore_every` steps it verifies the
+it falls back to K = 0: a plain decoding step plus the proposer's context update (DFlash: fc + K/V rows of
+the accepted position).  Every `explore_every` steps it verifies the
 largest K once, so that acceptance estimates stay current while speculation is off.
 """
 
