@@ -170,3 +170,34 @@ def write_gguf_from_hf(hf_dir: str, out_path: str) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def adam_losses(loss_fn, params, steps: int, lr: float = 3e-3) -> list[float]:
+    """Run `steps` jitted Adam steps on `loss_fn(params) -> (loss, aux)`; the losses seen, first to last."""
+    import jax
+    import optax
+
+    opt = optax.adam(lr)
+
+    @jax.jit
+    def step(p, st):
+        (loss, _), g = jax.value_and_grad(loss_fn, has_aux=True)(p)
+        up, st = opt.update(g, st, p)
+        return optax.apply_updates(p, up), st, loss
+
+    state, losses = opt.init(params), []
+    for _ in range(steps):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    return losses
+
+
+def toy_store(path: str, num: int, length: int, vocab: int, prompt_len: int, seed: int):
+    """A TokenStore of `num` random sequences (vocabulary 300, ids < `vocab`) with `prompt_len`-token prompts."""
+    from specjax.train.store import TokenStore
+
+    store = TokenStore(path, 300)
+    rng = np.random.default_rng(seed)
+    for i in range(num):
+        store.append(f"s{i}", "toy", rng.integers(0, vocab, length), prompt_len, "length")
+    return store

@@ -15,7 +15,7 @@ from specjax.model.loader import CheckpointError, load_model
 from specjax.sampling import SamplingParams
 from specjax.spec.proposer import Eagle3Proposer
 from specjax.spec.reference import full_forward
-from tests.helpers import random_prompt
+from tests.helpers import adam_losses, random_prompt
 from tests.reference import eagle3_numpy
 
 
@@ -109,7 +109,6 @@ def test_ttt_rows_equal_the_teacher_forced_inference_chain(setup):
 
 def test_ttt_loss_decreases(setup):
     import jax.numpy as jnp
-    import optax
 
     from specjax.train.eagle3_objective import ttt_loss
 
@@ -128,19 +127,7 @@ def test_ttt_loss_decreases(setup):
     import dataclasses
 
     weights = dataclasses.replace(weights, d2t=None)  # integer map: not a trainable leaf
-    opt = optax.adam(3e-3)
-    state = opt.init(weights)
-
-    @jax.jit
-    def step(w, st):
-        (loss, _), g = jax.value_and_grad(lambda w_: ttt_loss(w_, cfg, *args, steps=3), has_aux=True)(w)
-        up, st = opt.update(g, st, w)
-        return optax.apply_updates(w, up), st, loss
-
-    losses = []
-    for _ in range(25):
-        weights, state, loss = step(weights, state)
-        losses.append(float(loss))
+    losses = adam_losses(lambda w_: ttt_loss(w_, cfg, *args, steps=3), weights, 25)
     assert losses[-1] < 0.7 * losses[0], losses
 
 

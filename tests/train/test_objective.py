@@ -12,6 +12,7 @@ from specjax.model.loader import load_model
 from specjax.model.target import init_kv_pages
 from specjax.spec.reference import full_forward
 from specjax.train.objective import block_logits, dflash_loss, labels_and_weights, sample_anchors
+from tests.helpers import adam_losses
 
 Q = 4
 
@@ -87,27 +88,12 @@ def test_labels_and_weights_match_a_python_loop(setup):
 
 
 def test_a_few_steps_reduce_the_loss(setup):
-    import optax
-
     target, cfg, weights, tokens, taps, loss_mask, lengths = setup
     anchors, keep = sample_anchors(np.random.default_rng(2), loss_mask, lengths, 8, Q)
     w = target.weights
     args = (w.embed, w.output_head, jnp.asarray(tokens), jnp.asarray(taps), jnp.asarray(loss_mask),
             jnp.asarray(lengths), jnp.asarray(anchors), jnp.asarray(keep))
-    opt = optax.adamw(3e-3)
-    state = opt.init(weights)
-
-    @jax.jit
-    def step(params, state):
-        (loss, _), grads = jax.value_and_grad(
-            lambda p: dflash_loss(p, cfg, *args, block_size=Q, gamma=4.0), has_aux=True)(params)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
-    losses = []
-    for _ in range(30):
-        weights, state, loss = step(weights, state)
-        losses.append(float(loss))
+    losses = adam_losses(lambda p: dflash_loss(p, cfg, *args, block_size=Q, gamma=4.0), weights, 30)
     assert losses[-1] < 0.5 * losses[0], losses
 
 

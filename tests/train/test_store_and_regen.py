@@ -12,6 +12,7 @@ from specjax.datasets import Prompt, load_eval, load_train_prompts, recover_shar
 from specjax.llm import LLM
 from specjax.train.regen import regenerate
 from specjax.train.store import TokenStore
+from tests.helpers import toy_store
 
 
 def test_store_survives_a_torn_write(tmp_path):
@@ -62,10 +63,7 @@ def test_regenerate_resumes_without_duplicates(tiny_dirs, tmp_path):
 
 
 def test_train_drafter_cli_and_resume(tiny_dirs, tmp_path, capsys):
-    store = TokenStore(str(tmp_path / "data"), 300)
-    rng = np.random.default_rng(0)
-    for i in range(12):
-        store.append(f"s{i}", "toy", rng.integers(0, 256, 70), 10, "length")
+    toy_store(str(tmp_path / "data"), 12, 70, 256, 10, seed=0)
     out = str(tmp_path / "run")
     common = ["train-drafter", "--target", tiny_dirs["qwen3"], "--data", str(tmp_path / "data"), "--out", out,
               "--layers", "1", "--block-size", "4", "--target-layer-ids", "0,2", "--batch-size", "2",
@@ -92,10 +90,7 @@ def test_train_eagle3_cli(tiny_dirs, tmp_path, capsys):
     from specjax.drafter.eagle3_loader import load_eagle3
     from specjax.model.loader import load_model
 
-    store = TokenStore(str(tmp_path / "data"), 300)
-    rng = np.random.default_rng(1)
-    for i in range(8):
-        store.append(f"s{i}", "toy", rng.integers(0, 120, 60), 10, "length")
+    toy_store(str(tmp_path / "data"), 8, 60, 120, 10, seed=1)
     out = str(tmp_path / "e3")
     assert main(["train-drafter", "--method", "eagle3", "--target", tiny_dirs["llama"], "--data",
                  str(tmp_path / "data"), "--out", out, "--target-layer-ids", "1,2,3", "--draft-vocab-size", "64",

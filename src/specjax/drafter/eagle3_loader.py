@@ -105,13 +105,10 @@ def load_eagle3(path: str, target: ModelConfig, dtype=jnp.float32):
 def save_eagle3(path: str, cfg: Eagle3Config, w: Eagle3Weights, num_target_layers: int,
                 dtype: str = "float32") -> None:
     """SafeAILab layout (`midlayer.*`, d2t, t2d) + a Llama-style config.json; float tensors in `dtype`."""
-    import ml_dtypes
     from safetensors.numpy import save_file
 
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"unsupported drafter dtype {dtype!r} (float32, bfloat16)")
+    from specjax.drafter.loader import cast_for_save
 
-    os.makedirs(path, exist_ok=True)
     kvs = cfg.num_kv_heads * cfg.head_dim
     w_kv = np.asarray(w.w_kv).T
     gate, up = np.split(np.asarray(w.w_gate_up).T, 2, axis=0)
@@ -120,7 +117,8 @@ def save_eagle3(path: str, cfg: Eagle3Config, w: Eagle3Weights, num_target_layer
          NAMES["q"]: np.asarray(w.w_q).T, NAMES["k"]: w_kv[:kvs], NAMES["v"]: w_kv[kvs:],
          NAMES["o"]: np.asarray(w.w_o).T, NAMES["gate"]: gate, NAMES["up"]: up, NAMES["down"]: np.asarray(w.w_down).T,
          NAMES["norm"]: np.asarray(w.norm), NAMES["lm_head"]: np.asarray(w.lm_head).T}
-    t = {k: np.ascontiguousarray(v, np.float32 if dtype == "float32" else ml_dtypes.bfloat16) for k, v in t.items()}
+    t = cast_for_save(t, dtype)  # validates dtype before anything is written
+    os.makedirs(path, exist_ok=True)
     if w.d2t is not None:
         d2t = np.asarray(w.d2t, np.int64)
         t[NAMES["d2t"]] = d2t

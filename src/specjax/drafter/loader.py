@@ -108,17 +108,23 @@ def drafter_state_dict(cfg: DrafterConfig, weights: DFlashWeights) -> dict[str, 
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
+def cast_for_save(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """Float tensors in the checkpoint dtype (float32 or bfloat16); integer tensors (EAGLE-3 d2t) stay exact."""
+    import ml_dtypes
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"unsupported drafter dtype {dtype!r} (float32, bfloat16)")
+    target = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    return {k: np.ascontiguousarray(v, target) if np.issubdtype(v.dtype, np.floating) else v
+            for k, v in tensors.items()}
+
+
 def save_drafter(path: str, cfg: DrafterConfig, weights: DFlashWeights, dtype: str = "float32") -> None:
     """Write config.json + model.safetensors (float32 or bfloat16) in the z-lab format."""
-    import ml_dtypes
     from safetensors.numpy import save_file
 
+    tensors = cast_for_save(drafter_state_dict(cfg, weights), dtype)
     os.makedirs(path, exist_ok=True)
-    tensors = drafter_state_dict(cfg, weights)
-    if dtype == "bfloat16":
-        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
-    elif dtype != "float32":
-        raise ValueError(f"unsupported drafter dtype {dtype!r} (float32, bfloat16)")
     config = cfg.to_hf()
     config["torch_dtype"] = dtype
     tmp = os.path.join(path, "model.safetensors.tmp")
