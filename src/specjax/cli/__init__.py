@@ -36,10 +36,3 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

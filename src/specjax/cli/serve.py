@@ -12,7 +12,7 @@ from specjax.cli.common import add_model_args, enable_compile_cache, machine_inf
 
 
 def build_server(args):
-    """(app, service, llm) for `specjax serve` and `specjax bench-serve`."""
+    """(app, service, llm, served model name) for `specjax serve` and `specjax bench-serve`."""
     from specjax.config import EngineConfig
     from specjax.llm import LLM
     from specjax.sampling import GREEDY, SAMPLE, SAMPLE_FILTERED
@@ -34,14 +34,14 @@ def build_server(args):
     service = EngineService(llm.engine, llm.target.tokenizer,
                             Metrics(max(1, llm.engine.num_draft)))
     name = args.served_model_name or os.path.basename(str(llm.target.source)).removesuffix(".gguf")
-    return create_app(service, name, args.default_max_tokens), service, llm
+    return create_app(service, name, args.default_max_tokens), service, llm, name
 
 
 def cmd_serve(args) -> int:
     import uvicorn
 
     enable_compile_cache(args.compile_cache)
-    app, service, llm = build_server(args)
+    app, service, llm, _ = build_server(args)
     service.start()
     print(f"serving {llm.target.source} ({llm.method}) on http://{args.host}:{args.port}", file=sys.stderr)
     try:
@@ -66,8 +66,7 @@ def cmd_bench_serve(args) -> int:
         margs = copy.copy(args)
         margs.method = method
         margs.max_num_seqs = max(levels)
-        app, service, llm = build_server(margs)
-        name = args.served_model_name or os.path.basename(str(llm.target.source)).removesuffix(".gguf")
+        app, service, llm, name = build_server(margs)
         with running(app, service) as url:
             bench_level(url, name, prompts, 1, 1, 8)  # first request through the HTTP path (excluded)
             for c in levels:
@@ -106,7 +105,6 @@ def cmd_bench_serve(args) -> int:
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.set_defaults(max_model_len=2048)
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch")
     p.add_argument("--num-pages", type=int, default=0, help="KV pool pages (0 = max_num_seqs full sequences)")
     p.add_argument("--prefill-chunk", type=int, default=256)
