@@ -11,29 +11,52 @@ from specjax.sampling import GREEDY, SamplingParams
 from specjax.spec.proposer import DFlashProposer
 from tests.helpers import random_prompt
 
+PAGES = {0: 4, 1: 4, 3: 4, 7: 4}
+
 
 def test_controller_turns_speculation_off_when_it_does_not_pay():
-    c = AdaptiveK((0, 3, 7), 7, explore_every=1000)
+    c = AdaptiveK((0, 3, 7), 7, min_explore_every=10**6)
     for k, t in [(0, 1.0), (3, 1.6), (7, 2.2)]:
-        c.record_cost(1, k, t)
+        c.record_cost(1, k, 4, t)
     for _ in range(200):
         c.record_acceptance(7, 0)  # drafts never accepted
-    assert c.choose(1, 1) == 0
+    assert c.choose(1, 1, PAGES) == 0
     for _ in range(2000):
         c.record_acceptance(7, 7)  # everything accepted: tau(7) = 8 for 2.2x the cost
-    assert c.choose(1, 1) == 7
-    c.record_cost(8, 0, 1.0)
-    c.record_cost(8, 3, 5.0)
-    c.record_cost(8, 7, 9.0)  # at a big batch verification is expensive: 8 / 9 < 1 / 1
-    assert c.choose(8, 8) == 0
+    assert c.choose(1, 1, PAGES) == 7
+    c.record_cost(8, 0, 4, 1.0)
+    c.record_cost(8, 3, 4, 5.0)
+    c.record_cost(8, 7, 4, 9.0)  # at a big batch verification is expensive: 8 / 9 < 1 / 1
+    assert c.choose(8, 8, PAGES) == 0
 
 
-def test_controller_explores_and_keeps_estimates_monotone():
-    c = AdaptiveK((0, 7), 7, explore_every=4)
-    c.record_cost(1, 0, 1.0)
-    c.record_cost(1, 7, 100.0)
-    picks = [c.choose(1, 1) for _ in range(8)]
-    assert picks.count(7) == 2 and picks.count(0) == 6
+def test_controller_cost_is_a_robust_median_per_page_bucket():
+    c = AdaptiveK((0, 3), 3, min_explore_every=10**6)
+    for t in (1.0, 1.0, 1.1, 0.9):
+        c.record_cost(1, 0, 4, t)
+    c.record_cost(1, 0, 4, 50.0)  # one step stalled by the host
+    assert c.cost(1, 0, 4) == 1.0
+    c.record_cost(1, 0, 64, 3.0)
+    assert c.cost(1, 0, 64) == 3.0 and c.cost(1, 0, 16) == 1.0 and c.cost(1, 0, 128) == 3.0  # nearest bucket
+    assert c.cost(2, 0, 4) is None
+    c.record_cost(1, 3, 4, 1.5)
+    c.record_cost(1, 3, 64, 9.0)
+    for _ in range(500):
+        c.record_acceptance(3, 3)  # tau(3) -> 4
+    assert c.choose(1, 1, {0: 4, 3: 4}) == 3  # 4 / 1.5 > 1 / 1.0
+    assert c.choose(1, 1, {0: 4, 3: 64}) == 0  # the drafts would cross into a page bucket 6x dearer
+
+
+def test_controller_explores_smallest_k_within_its_time_budget():
+    c = AdaptiveK((0, 3, 7), 7, explore_budget=0.05, min_explore_every=4)
+    for k, t in [(0, 1.0), (3, 2.0), (7, 100.0)]:
+        c.record_cost(1, k, 4, t)
+    for _ in range(200):
+        c.record_acceptance(7, 0)
+    picks = [c.choose(1, 1, PAGES) for _ in range(400)]
+    assert set(picks) == {0, 3}  # never the dear K = 7
+    explore_time = picks.count(3) * (2.0 - 1.0)
+    assert picks.count(3) == 20 and explore_time / len(picks) <= 0.05  # period (2 - 1) / (0.05 * 1) = 20
     c.record_acceptance(7, 3)
     p = c.per_position()
     assert all(a >= b for a, b in zip(p, p[1:]))
@@ -51,6 +74,6 @@ def test_adaptive_engine_is_lossless_and_uses_several_k(tiny_dirs):
                        EngineConfig(max_model_len=64, page_size=8, max_num_seqs=4, adaptive_k=True,
                                     page_bucket_factor=4))
     engine.warmup_all(modes=(GREEDY,))
-    engine.controller.explore_every = 3
+    engine.controller.explore_budget, engine.controller.min_explore_every = 100.0, 3
     assert [s.output_ids for s in engine.generate(prompts, params)] == expected
-    assert len(engine.k_history) >= 2, engine.k_history  # a random drafter: K = 0 mostly, exploration at K = 7
+    assert len(engine.k_history) >= 2, engine.k_history  # a random drafter: K = 0 mostly, exploration at K = 3

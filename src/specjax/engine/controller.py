@@ -2,38 +2,65 @@
 
 expected_tokens(K) = sum over running requests of E[tau(K)] = 1 + sum_{k<=K} p_k, with p_k = P(draft k accepted)
 estimated online from every verified step (exponentially decayed counts, a geometric prior before data);
-cost(B, K) = measured seconds of a decode step at batch bucket B with K drafts (warm-up timings, then an
-exponential moving average of real steps).  The controller takes argmax_K expected_tokens(K) / cost(B, K), so
-when drafts stop paying for their verification (large batches on a compute-bound CPU, a drafter that misses)
-it falls back to K = 0: a plain decoding step plus the proposer's context update (DFlash: fc + K/V rows of
-the accepted position).  Every `explore_every` steps it verifies the
-largest K once, so that acceptance estimates stay current while speculation is off.
+cost(B, K, Pg) = seconds of a decode step at batch bucket B with K drafts gathering Pg KV pages: the median of
+the latest `window` timings of that shape (warm-up runs first, then real steps; a median, because one step
+slowed by the host — the HTTP thread, garbage collection — must not flip the choice).  The page bucket is part
+of the key since attention over the gathered pages dominates at long contexts, and a step with fewer drafts
+may gather fewer pages.
+
+The controller takes argmax_K expected_tokens(K) / cost(B, K, Pg(K)), so when drafts stop paying for their
+verification (large batches on a compute-bound CPU, a drafter that misses) it falls back to K = 0: a plain
+decoding step plus the proposer's context update (DFlash: fc + K/V rows of the accepted position, measured at
+0-4% of a step on the 2-core CPU).  While K = 0 wins it still verifies the smallest K > 0 now and then, so the
+acceptance estimates stay current, at a period chosen so that exploration costs at most `explore_budget` of
+the decode time: period = (cost(K1) - cost(0)) / (explore_budget * cost(0)) steps, at least
+`min_explore_every`.
 """
 
 from __future__ import annotations
+
+import collections
+import math
 
 import numpy as np
 
 
 class AdaptiveK:
-    def __init__(self, k_options: tuple[int, ...], max_k: int, explore_every: int = 16, decay: float = 0.99,
-                 ema: float = 0.2):
+    def __init__(self, k_options: tuple[int, ...], max_k: int, explore_budget: float = 0.03,
+                 min_explore_every: int = 8, decay: float = 0.99, window: int = 9):
+        if explore_budget <= 0:
+            raise ValueError(f"explore_budget must be > 0, got {explore_budget}")
         self.k_options = tuple(sorted(set(k_options)))
         self.max_k = max_k
-        self.explore_every = explore_every
+        self.explore_budget = explore_budget
+        self.min_explore_every = min_explore_every
         self.decay = decay
-        self.ema = ema
         prior = 0.5 ** np.arange(1, max_k + 1)  # optimistic-but-humble prior: p_k = 0.5^k, worth 2 observations
         self.accepted = 2.0 * prior
         self.drafted = np.full(max_k, 2.0)
-        self.cost: dict[tuple[int, int], float] = {}
-        self.steps = 0
+        self.samples: dict[tuple[int, int, int], collections.deque] = {}
+        self.window = window
+        self.steps_since_explore = 0
+        self.num_explorations = 0
 
-    def record_cost(self, batch_bucket: int, k: int, seconds: float) -> None:
-        key = (batch_bucket, k)
-        old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+    # ------------------------------------------------------------------------------------------------ costs
+    def record_cost(self, batch_bucket: int, k: int, pages: int, seconds: float) -> None:
+        key = (batch_bucket, k, pages)
+        if key not in self.samples:
+            self.samples[key] = collections.deque(maxlen=self.window)
+        self.samples[key].append(seconds)
 
+    def cost(self, batch_bucket: int, k: int, pages: int) -> float | None:
+        """Median step time of (B, K, Pg); an unmeasured page bucket borrows the nearest measured one."""
+        found = self.samples.get((batch_bucket, k, pages))
+        if not found:
+            near = [key for key in self.samples if key[:2] == (batch_bucket, k)]
+            if not near:
+                return None
+            found = self.samples[min(near, key=lambda key: (abs(math.log(key[2] / pages)), key[2]))]
+        return float(np.median(found))
+
+    # ------------------------------------------------------------------------------------------------ acceptance
     def record_acceptance(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts <= 0:
             return
@@ -49,16 +76,27 @@ class AdaptiveK:
     def expected_tau(self, k: int) -> float:
         return 1.0 + float(self.per_position()[:k].sum())
 
-    def choose(self, batch_bucket: int, num_seqs: int) -> int:
-        self.steps += 1
-        if self.max_k and self.steps % self.explore_every == 0:
-            return self.k_options[-1]
-        best, best_rate = self.k_options[0], -1.0
+    # ------------------------------------------------------------------------------------------------ choice
+    def choose(self, batch_bucket: int, num_seqs: int, pages: dict[int, int]) -> int:
+        """K for the next step; pages[k] = the page bucket a step with k drafts would gather."""
+        best, best_rate, costs = self.k_options[0], -1.0, {}
         for k in self.k_options:
-            cost = self.cost.get((batch_bucket, k))
-            if cost is None:
+            costs[k] = self.cost(batch_bucket, k, pages[k])
+            if costs[k] is None:
                 return k  # unmeasured: measure it (warm-up normally fills every entry)
-            rate = num_seqs * self.expected_tau(k) / cost
+            rate = num_seqs * self.expected_tau(k) / costs[k]
             if rate > best_rate:
                 best, best_rate = k, rate
-        return best
+        positive = [k for k in self.k_options if k > 0]
+        if best != 0 or not positive:
+            self.steps_since_explore = 0  # speculating: every step refreshes the acceptance estimates
+            return best
+        self.steps_since_explore += 1
+        k1 = positive[0]
+        period = max(self.min_explore_every,
+                     math.ceil((costs[k1] - costs[0]) / (self.explore_budget * max(costs[0], 1e-9))))
+        if self.steps_since_explore < period:
+            return 0
+        self.steps_since_explore = 0
+        self.num_explorations += 1
+        return k1

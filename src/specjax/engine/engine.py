@@ -186,8 +186,8 @@ class LLMEngine:
         chunk = self.config.prefill_chunk
         tokens = {min(chunk, n - start) for n in prompt_lens for start in range(0, n, chunk)}
         prefill_t = {pick_bucket(n, self.prefill_buckets) for n in tokens}
-        decode_pages = {pick_bucket(self.allocator.pages_for(min(n + max(self.k_options), self.config.max_model_len)),
-                                    self.page_buckets) for n in range(min(prompt_lens) + 1, total_len + 1)}
+        decode_pages = {self._pages_bucket(min(n + k, self.config.max_model_len))
+                        for n in range(min(prompt_lens) + 1, total_len + 1) for k in self.k_options}
         return self._warm(sorted(prefill_t), sorted(decode_pages), batch_sizes, modes)
 
     def warmup_all(self, modes=(GREEDY,)) -> int:
@@ -206,10 +206,9 @@ class LLMEngine:
             for b in sorted({pick_bucket(x, self.batch_buckets) for x in batch_sizes}):
                 for k in self.k_options:
                     for pg in decode_pages:
-                        self._run_decode(b, k, pg, mode)
-                        seconds = self._run_decode(b, k, pg, mode)  # second run: compiled, timed
-                        if self.controller is not None and pg == max(decode_pages):
-                            self.controller.record_cost(b, k, seconds)
+                        self._run_decode(b, k, pg, mode)  # compiles
+                        for _ in range(2 if self.controller is not None else 0):  # timed: the cost model's prior
+                            self.controller.record_cost(b, k, pg, self._run_decode(b, k, pg, mode))
                         count += 1
         jax.block_until_ready(self.kv)
         return count
@@ -257,8 +256,11 @@ class LLMEngine:
                     return False
 
     # ------------------------------------------------------------------------------------------------ inputs
-    def _page_table(self, seqs: list[Sequence], batch: int, num_tokens: int) -> np.ndarray:
-        pg = pick_bucket(self.allocator.pages_for(num_tokens), self.page_buckets)
+    def _pages_bucket(self, num_tokens: int) -> int:
+        """Page-table width (a bucket) of a step whose longest sequence spans num_tokens."""
+        return pick_bucket(self.allocator.pages_for(num_tokens), self.page_buckets)
+
+    def _page_table(self, seqs: list[Sequence], batch: int, pg: int) -> np.ndarray:
         table = np.zeros((batch, pg), np.int32)  # padding -> scratch page 0
         for i, s in enumerate(seqs):
             pages = self.allocator.pages_of(s.seq_id)[:pg]
@@ -306,7 +308,7 @@ class LLMEngine:
             last_index[i] = n - 1
         # Prefill reads the full page-table width: one shape per (batch, tokens) bucket, and prefill is
         # compute-bound, so gathering a few unused pages costs little.
-        table = self._page_table(seqs, b, self.config.max_model_len)
+        table = self._page_table(seqs, b, self._pages_bucket(self.config.max_model_len))
         batch = ForwardBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(table))
         first, rows, prows = runner.prefill_step(
             self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.asarray(last_index),
@@ -333,7 +335,10 @@ class LLMEngine:
         if not seqs:
             return []
         b = pick_bucket(len(seqs), self.batch_buckets)
-        k = self.controller.choose(b, len(seqs)) if self.controller is not None else self.k_options[0]
+        # Pages are reserved for the largest K (_step_tokens), but a step gathers only those its K reaches.
+        longest = max(s.num_tokens for s in seqs)
+        pages = {k: self._pages_bucket(min(longest + k, self.config.max_model_len)) for k in self.k_options}
+        k = self.controller.choose(b, len(seqs), pages) if self.controller is not None else self.k_options[0]
         self.k_history[k] += 1
         self.last_k = k
         bonus = np.zeros((b,), np.int32)
@@ -350,7 +355,7 @@ class LLMEngine:
                 proposal = self.proposer.host_propose(seq.all_ids, int(num_drafts[i]))[: num_drafts[i]]
                 host_drafts[i, :len(proposal)] = proposal
                 num_drafts[i] = len(proposal)
-        table = self._page_table(seqs, b, max(self._step_tokens(s) for s in seqs))
+        table = self._page_table(seqs, b, pages[k])
         inputs = runner.DecodeBatch(jnp.asarray(bonus), jnp.asarray(start), jnp.asarray(slots), jnp.asarray(table),
                                     jnp.asarray(num_drafts), jnp.asarray(host_drafts))
         t0 = time.perf_counter()
@@ -360,7 +365,7 @@ class LLMEngine:
         self.kv, self.pstate = runner.commit(self.kv, self.pstate, inputs.slots, rows, pslots, prows)
         num_accepted, tokens = np.asarray(num_accepted), np.asarray(tokens)
         if self.controller is not None:
-            self.controller.record_cost(b, k, time.perf_counter() - t0)
+            self.controller.record_cost(b, k, pages[k], time.perf_counter() - t0)
         self.num_steps["decode"] += 1
         self.last_decode = [(s.seq_id, int(num_drafts[i]), int(num_accepted[i])) for i, s in enumerate(seqs)]
         outputs = []
