@@ -67,13 +67,14 @@ def test_bench_serve_cli_on_a_tiny_model(tiny_dirs, tmp_path):
     cmd = [sys.executable, "-m", "specjax.cli", "bench-serve", "--model", tiny_dirs["qwen3"], "--drafter", "random:1",
            "--block-size", "4", "--methods", "ar,dflash", "--concurrency", "1,4", "--requests-per-level", "4",
            "--max-tokens", "8", "--num-prompts", "2", "--max-model-len", "1024", "--page-size", "128",
-           "--out-dir", str(out), "--compile-cache", ""]
+           "--rounds", "2", "--out-dir", str(out), "--compile-cache", ""]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads((out / "bench_serve.json").read_text())
     rows = {(r["method"], r["concurrency"]): r for r in record["rows"]}
     assert set(rows) == {("ar", 1), ("ar", 4), ("dflash", 1), ("dflash", 4)}
-    assert all(r["requests"] == 4 and r["output_tokens"] == 32 for r in rows.values())
+    assert all(r["rounds"] == 2 and r["requests"] == 8 and r["output_tokens"] == 64 for r in rows.values())
+    assert [r["method"] for r in record["rounds"]] == ["ar"] * 2 + ["dflash"] * 4 + ["ar"] * 2  # order alternates
     assert rows[("ar", 4)]["speedup_vs_ar"] == pytest.approx(1.0)
     assert (out / "bench_serve.png").exists()
     assert "| dflash | 4 |" in proc.stdout

@@ -51,38 +51,78 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def cmd_bench_serve(args) -> int:
+def bench_serve_method(args, method: str, levels: list[int], prompts: list[str]) -> list[dict]:
+    """One method's sweep over the concurrency levels against its own live server (run in a fresh process)."""
     import copy
 
-    from specjax.bench.serving import bench_level, plot_serving, running
-    from specjax.datasets import load_eval
+    from specjax.bench.serving import bench_level, running
 
     enable_compile_cache(args.compile_cache)
+    margs = copy.copy(args)
+    margs.method = method
+    margs.max_num_seqs = max(levels)
+    app, service, llm, name = build_server(margs)
+    rows = []
+    with running(app, service) as url:
+        bench_level(url, name, prompts, 1, 1, 8)  # first request through the HTTP path (excluded)
+        for c in levels:
+            row = {"method": method, **bench_level(url, name, prompts, c, max(c, args.requests_per_level),
+                                                   args.max_tokens)}
+            rows.append(row)
+            print(f"{method:>7} c={c:<3} {row['throughput_tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:7.0f} ms"
+                  f"  TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} ms  tau {row['tau'] or 0:.2f}  K {row['k_steps']}",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def summarize_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (method, concurrency): mean throughput over rounds, median latencies, pooled K counts."""
+    import numpy as np
+
+    out = []
+    for key in dict.fromkeys((r["method"], r["concurrency"]) for r in rows):
+        rs = [r for r in rows if (r["method"], r["concurrency"]) == key]
+        steps: dict[str, float] = {}
+        for r in rs:
+            for k, v in r["k_steps"].items():
+                steps[k] = steps.get(k, 0.0) + v
+        med = {f: float(np.median([r[f] for r in rs if r[f] is not None])) if any(r[f] is not None for r in rs)
+               else None for f in ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "tau")}
+        out.append({"method": key[0], "concurrency": key[1], "rounds": len(rs),
+                    "requests": sum(r["requests"] for r in rs), "output_tokens": sum(r["output_tokens"] for r in rs),
+                    "throughput_tok_s": float(np.mean([r["throughput_tok_s"] for r in rs])),
+                    "throughput_per_round": [r["throughput_tok_s"] for r in rs], **med, "k_steps": steps})
+    return out
+
+
+def cmd_bench_serve(args) -> int:
+    import multiprocessing
+
+    from specjax.bench.serving import plot_serving
+    from specjax.config import ConfigError
+    from specjax.datasets import load_eval
+
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds must be >= 1, got {args.rounds}")
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = [p.turns[0] for name in args.datasets.split(",")
                for p in load_eval(name, args.data_dir)[:args.num_prompts]]
+    methods = args.methods.split(",")
     rows = []
-    for method in args.methods.split(","):
-        margs = copy.copy(args)
-        margs.method = method
-        margs.max_num_seqs = max(levels)
-        app, service, llm, name = build_server(margs)
-        with running(app, service) as url:
-            bench_level(url, name, prompts, 1, 1, 8)  # first request through the HTTP path (excluded)
-            for c in levels:
-                row = {"method": method, **bench_level(url, name, prompts, c, max(c, args.requests_per_level),
-                                                       args.max_tokens)}
-                rows.append(row)
-                print(f"{method:>7} c={c:<3} {row['throughput_tok_s']:7.1f} tok/s  "
-                      f"TTFT p50 {row['ttft_ms_p50']:7.0f} ms"
-                      f"  TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} ms  tau {row['tau'] or 0:.2f}  K {row['k_steps']}",
-                      file=sys.stderr, flush=True)
-        del app, service, llm
-    base = {r["concurrency"]: r for r in rows if r["method"] == "ar"}
+    # Every method runs in a fresh process (nothing of one engine's memory or caches outlives it), and with
+    # --rounds > 1 the order alternates (ar, dflash, dflash, ar, ...) so that a drifting machine speed hits
+    # every method alike.
+    ctx = multiprocessing.get_context("spawn")
+    for rnd in range(args.rounds):
+        for method in methods if rnd % 2 == 0 else methods[::-1]:
+            with ctx.Pool(1) as pool:
+                rows += [{**r, "round": rnd} for r in pool.apply(bench_serve_method, (args, method, levels, prompts))]
+    summary = summarize_rounds(rows)
+    base = {r["concurrency"]: r for r in summary if r["method"] == "ar"}
     print("| method | concurrency | tok/s | speedup vs ar | TTFT p50 / p90 ms | TPOT p50 / p90 ms | tau "
           "| K used (steps) |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for r in summary:
         b = base.get(r["concurrency"])
         r["speedup_vs_ar"] = r["throughput_tok_s"] / b["throughput_tok_s"] if b else None
         sp = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
@@ -90,16 +130,17 @@ def cmd_bench_serve(args) -> int:
               f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p90']:.0f} | "
               f"{r['tpot_ms_p50'] or 0:.1f} / {r['tpot_ms_p90'] or 0:.1f}"
               f" | {r['tau'] or 0:.2f} | {r['k_steps']} |")
-    record = {"kind": "bench-serve", "machine": machine_info(), "rows": rows,
+    record = {"kind": "bench-serve", "machine": machine_info(), "rows": summary, "rounds": rows,
               "config": {"concurrency": levels, "methods": args.methods, "max_tokens": args.max_tokens,
                          "requests_per_level": args.requests_per_level, "datasets": args.datasets,
-                         "drafter": args.drafter, "adaptive_k": args.adaptive_k, "command": " ".join(sys.argv)}}
+                         "rounds": args.rounds, "drafter": args.drafter, "adaptive_k": args.adaptive_k,
+                         "command": " ".join(sys.argv)}}
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "bench_serve.json"), "w") as fh:
             json.dump(record, fh, indent=1)
-        plot_serving(rows, os.path.join(args.out_dir, "bench_serve.png"))
-    print(json.dumps({f"{r['method']}@{r['concurrency']}": round(r["throughput_tok_s"], 2) for r in rows}))
+        plot_serving(summary, os.path.join(args.out_dir, "bench_serve.png"))
+    print(json.dumps({f"{r['method']}@{r['concurrency']}": round(r["throughput_tok_s"], 2) for r in summary}))
     return 0
 
 
@@ -135,5 +176,7 @@ def register(sub) -> None:
     bs.add_argument("--datasets", default="gsm8k,humaneval,mt_bench")
     bs.add_argument("--num-prompts", type=int, default=16, help="prompts taken per dataset")
     bs.add_argument("--data-dir", default=None)
+    bs.add_argument("--rounds", type=int, default=1,
+                    help="repeat the sweep, alternating the method order each round (noisy machines)")
     bs.add_argument("--out-dir", default=None)
     bs.set_defaults(func=cmd_bench_serve)
