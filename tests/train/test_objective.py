@@ -106,3 +106,42 @@ def test_fc_init_equalises_massive_input_dimensions():
     ratio = np.abs(out / np.asarray(fc))
     np.testing.assert_allclose(ratio[2] * 3000, ratio[0], rtol=1e-5)  # the massive row is scaled down 3000x
     assert np.sqrt(np.mean(out ** 2)) == pytest.approx(float(np.sqrt(np.mean(np.asarray(fc) ** 2))), rel=1e-5)
+
+
+def test_anchor_init_makes_mask_slots_attend_to_the_anchor_token(setup):
+    """Layer 0, KV group 0, after anchor_attention_init: a MASK query scores the block's anchor row above every
+    MASK row and above the context rows (before the init: no such preference)."""
+    from specjax.model.layers import apply_rope, rms_norm, rope_cos_sin
+    from specjax.train.trainer import anchor_attention_init
+
+    target, cfg, _, tokens, taps, _, _ = setup
+    cfg = drafter_config_for(target.config, num_layers=2, block_size=Q, target_layer_ids=(0, 2), mask_embedding=False,
+                             mask_token_id=7)  # the mask is a token row
+    # real embedding tables are anisotropic (SmolLM2: the mean row direction carries |z_bar| = 16 of |z| = 24);
+    # the tiny model's random table is not, so add a shared component of the same relative size
+    base = target.weights.embed
+    shared = jax.random.normal(jax.random.PRNGKey(5), (base.shape[1],)) * jnp.std(base)
+    embed = base + shared
+
+    def anchor_margin(w):
+        layer, dh = w.layers[0], cfg.head_dim
+        margins = []
+        for anchor in range(8, 24):
+            pos = jnp.arange(anchor + Q)[None]
+            cos, sin = rope_cos_sin(pos, jnp.asarray(cfg.rope.inv_freq(dh)))
+            ids = jnp.concatenate([jnp.asarray(tokens[0, :anchor + 1]), jnp.full((Q - 1,), cfg.mask_token_id)])
+            xn = rms_norm(embed[ids][None], layer.attn_norm, cfg.rms_norm_eps)  # block rows (context rows: fc)
+            ctx = dflash.fuse_context(w, cfg, jnp.asarray(taps[:1, :anchor + Q]))
+            kb, _ = dflash.layer_kv(layer, cfg, xn, cos, sin)
+            kc, _ = dflash.layer_kv(layer, cfg, ctx, cos, sin)
+            q = rms_norm((xn @ layer.w_q).reshape(1, -1, cfg.num_heads, dh), layer.q_norm, cfg.rms_norm_eps)
+            q = apply_rope(q, cos, sin)[0, anchor + 1, 0]  # slot 1 (a MASK row), query head 0 (KV group 0)
+            score = lambda k, i: float(k[0, i, 0] @ q)  # noqa: E731
+            best_other = max([score(kb, i) for i in range(anchor + 2, anchor + Q)]  # other MASK rows
+                             + [score(kc, i) for i in range(anchor)])  # context rows before the anchor
+            margins.append(score(kb, anchor) - best_other)
+        return np.asarray(margins)
+
+    w = init_drafter(cfg, jax.random.PRNGKey(3))
+    assert (anchor_margin(anchor_attention_init(w, cfg, embed)) > 0).mean() >= 0.9
+    assert (anchor_margin(w) > 0).mean() < 0.5
