@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -108,7 +107,7 @@ def cmd_train_drafter(args) -> int:
         dcfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block_size,
                                   target_layer_ids=ids, num_taps=args.num_taps,
                                   intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id)
-        method = DFlashMethod(dcfg, args.block_size, args.num_anchors, cfg.decay, anchor_init=args.anchor_init)
+        method = DFlashMethod(dcfg, args.block_size, args.num_anchors, cfg.decay)
     else:
         from specjax.drafter.eagle3_loader import eagle3_config_for
         from specjax.train.eagle3_objective import draft_vocab_from_counts
@@ -186,8 +185,6 @@ def register(sub) -> None:
     t.add_argument("--intermediate-size", type=int, default=None)
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="reuse this target token as MASK (default: learn a drafter-owned mask embedding)")
-    t.add_argument("--anchor-init", action=argparse.BooleanOptionalAction, default=True,
-                   help="DFlash: init layer 0 so MASK slots attend to the block's anchor token (see trainer.py)")
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--batch-size", type=int, default=4)
     t.add_argument("--num-anchors", type=int, default=32)

@@ -138,55 +138,6 @@ def scale_fc_init(fc: jax.Array, tap_rms: jax.Array) -> jax.Array:
     return (scaled * target_rms / jnp.sqrt(jnp.mean(scaled * scaled))).astype(fc.dtype)
 
 
-def anchor_attention_init(weights, cfg: DrafterConfig, embed: jax.Array, kv_group: int = 0, num_pairs: int = 4,
-                          strength: float = 2.0):
-    """Data-dependent init that lets MASK slots find the block's anchor token from step 0 (first drafter layer).
-
-    Measured on SmolLM2 (runs/diag_ctx.py): after 600 steps the drafter's slot-1 accuracy was 16%, the same as
-    its slot-5 accuracy, while a bigram on the anchor token alone gets 40%.  Every MASK slot has the same input,
-    so before it can use the anchor it must discover it through RoPE and content, which small-scale training
-    had not done.  This writes a rank-1 "anchor detector" into one KV group of layer 0.  With z = a row
-    RMS-normalised and d a unit direction on which typical tokens project at +s and the mask row at -s, the
-    group's keys get a component (z . d) u and its queries a component along the mask row, times u, where u lies
-    on the `num_pairs` lowest RoPE frequencies (no rotation over a block: the score is content-only).  Token rows
-    then score high and MASK rows low (SmolLM2: 99% of tokens project > 0, median +4.9, the mask -4.8); fc is
-    projected off d, so context features score ~0.  `strength` = norm of the added part relative to the random
-    part.  Only values change: the checkpoint format is the same.
-    """
-    w = np.asarray(weights.layers[0].w_q, np.float64).copy()
-    w_kv = np.asarray(weights.layers[0].w_kv, np.float64).copy()
-    emb = np.asarray(embed, np.float64)
-    mask = (np.asarray(weights.mask_embedding, np.float64) if weights.mask_embedding is not None
-            else emb[cfg.mask_token_id])
-    rms = lambda x: np.sqrt(np.mean(x * x, axis=-1, keepdims=True)) + 1e-6  # noqa: E731
-    z, z_m = emb / rms(emb), mask / rms(mask)
-    # d = unit(z_bar - g z_m) with g chosen so that the median token and the mask project symmetrically
-    # (+s and -s): embeddings are anisotropic (SmolLM2: |z_bar| = 16 of 24), so z_bar - z_m alone puts them
-    # all on the same side.
-    z_bar = z.mean(0)
-    g = (np.median(z @ z_bar) + z_m @ z_bar) / (np.median(z @ z_m) + z_m @ z_m)
-    d = z_bar - g * z_m
-    d /= np.linalg.norm(d)
-    dh, half, h = cfg.head_dim, cfg.head_dim // 2, cfg.hidden_size
-    dims = np.arange(half - num_pairs, half)  # first halves of the lowest-frequency rotate_half pairs
-    proj = z @ d
-    typical = float(np.median(proj))
-    if typical <= 0:
-        raise ValueError("anchor init: the mask row is not separable from typical token rows (median z.d <= 0)")
-    k_cols = kv_group * dh + dims
-    rep = cfg.num_heads // cfg.num_kv_heads
-    q_cols = np.concatenate([n * dh + dims for n in range(kv_group * rep, (kv_group + 1) * rep)])
-    # random part per head ~ std(w) * |x| * sqrt(Dh) with |x| = sqrt(H) (RMS-normed rows); spread over num_pairs
-    per_dim = strength * np.sqrt(h * dh / num_pairs)
-    w_kv[:, k_cols] += (per_dim * np.std(w_kv[:, :cfg.num_kv_heads * dh]) / typical) * d[:, None]
-    w[:, q_cols] += (per_dim * np.std(w) / np.sqrt(h)) * (z_m / np.linalg.norm(z_m))[:, None]  # z_m . that = sqrt(H)
-    fc = np.asarray(weights.fc, np.float64)
-    fc = fc - np.outer(fc @ d, d)  # context features orthogonal to d: they neither attract nor repel
-    layer0 = dataclasses.replace(weights.layers[0], w_q=jnp.asarray(w, weights.layers[0].w_q.dtype),
-                                 w_kv=jnp.asarray(w_kv, weights.layers[0].w_kv.dtype))
-    return dataclasses.replace(weights, fc=jnp.asarray(fc, weights.fc.dtype), layers=(layer0,) + weights.layers[1:])
-
-
 def make_optimizer(cfg: TrainConfig):
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(1, int(cfg.warmup_ratio * cfg.steps)),
                                                   max(2, cfg.steps), end_value=0.0)
@@ -202,7 +153,6 @@ class DFlashMethod:
     block_size: int
     num_anchors: int
     gamma: float
-    anchor_init: bool = True  # anchor_attention_init (targets without a drafter-owned mask embedding)
     name: str = "dflash"
 
     @property
@@ -217,8 +167,6 @@ class DFlashMethod:
             params = dataclasses.replace(params, fc=scale_fc_init(params.fc, tap_rms))
         if params.mask_embedding is not None:  # start the learned mask at the typical embedding, not at noise
             params = dataclasses.replace(params, mask_embedding=jnp.mean(target.weights.embed, axis=0))
-        elif self.anchor_init:
-            params = anchor_attention_init(params, self.dcfg, target.weights.embed)
         return params
 
     def constants(self, target):
