@@ -75,30 +75,10 @@ def bench_serve_method(args, method: str, levels: list[int], prompts: list[str])
     return rows
 
 
-def summarize_rounds(rows: list[dict]) -> list[dict]:
-    """One row per (method, concurrency): mean throughput over rounds, median latencies, pooled K counts."""
-    import numpy as np
-
-    out = []
-    for key in dict.fromkeys((r["method"], r["concurrency"]) for r in rows):
-        rs = [r for r in rows if (r["method"], r["concurrency"]) == key]
-        steps: dict[str, float] = {}
-        for r in rs:
-            for k, v in r["k_steps"].items():
-                steps[k] = steps.get(k, 0.0) + v
-        med = {f: float(np.median([r[f] for r in rs if r[f] is not None])) if any(r[f] is not None for r in rs)
-               else None for f in ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "tau")}
-        out.append({"method": key[0], "concurrency": key[1], "rounds": len(rs),
-                    "requests": sum(r["requests"] for r in rs), "output_tokens": sum(r["output_tokens"] for r in rs),
-                    "throughput_tok_s": float(np.mean([r["throughput_tok_s"] for r in rs])),
-                    "throughput_per_round": [r["throughput_tok_s"] for r in rs], **med, "k_steps": steps})
-    return out
-
-
 def cmd_bench_serve(args) -> int:
     import multiprocessing
 
-    from specjax.bench.serving import plot_serving
+    from specjax.bench.serving import plot_serving, summarize_rounds
     from specjax.config import ConfigError
     from specjax.datasets import load_eval
 
