@@ -31,7 +31,6 @@ class AdaptiveK:
         if explore_budget <= 0:
             raise ValueError(f"explore_budget must be > 0, got {explore_budget}")
         self.k_options = tuple(sorted(set(k_options)))
-        self.max_k = max_k
         self.explore_budget = explore_budget
         self.min_explore_every = min_explore_every
         self.decay = decay
@@ -41,7 +40,6 @@ class AdaptiveK:
         self.samples: dict[tuple[int, int, int], collections.deque] = {}
         self.window = window
         self.steps_since_explore = 0
-        self.num_explorations = 0
 
     # ------------------------------------------------------------------------------------------------ costs
     def record_cost(self, batch_bucket: int, k: int, pages: int, seconds: float) -> None:
@@ -98,5 +96,4 @@ class AdaptiveK:
         if self.steps_since_explore < period:
             return 0
         self.steps_since_explore = 0
-        self.num_explorations += 1
         return k1

@@ -207,8 +207,9 @@ class LLMEngine:
                 for k in self.k_options:
                     for pg in decode_pages:
                         self._run_decode(b, k, pg, mode)  # compiles
-                        for _ in range(2 if self.controller is not None else 0):  # timed: the cost model's prior
-                            self.controller.record_cost(b, k, pg, self._run_decode(b, k, pg, mode))
+                        if self.controller is not None:  # two timed runs: the cost model's prior
+                            for _ in range(2):
+                                self.controller.record_cost(b, k, pg, self._run_decode(b, k, pg, mode))
                         count += 1
         jax.block_until_ready(self.kv)
         return count
