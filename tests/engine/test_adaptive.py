@@ -1,6 +1,7 @@
 """Adaptive speculation: the controller's choice, and losslessness when K changes from step to step."""
 
 import jax
+import numpy as np
 
 from specjax.config import EngineConfig
 from specjax.drafter.loader import drafter_config_for, init_drafter
@@ -48,18 +49,42 @@ def test_controller_cost_is_a_robust_median_per_page_bucket():
 
 
 def test_controller_explores_smallest_k_within_its_time_budget():
-    c = AdaptiveK((0, 3, 7), 7, explore_budget=0.05, min_explore_every=4)
-    for k, t in [(0, 1.0), (3, 2.0), (7, 100.0)]:
+    c = AdaptiveK((0, 3, 7), 7, explore_budget=0.05, idle_budget=0.005, min_explore_every=4)
+    for k, t in [(0, 1.0), (3, 2.2), (7, 100.0)]:
         c.record_cost(1, k, 4, t)
-    for _ in range(200):
-        c.record_acceptance(7, 0)
+    for _ in range(10):
+        c.record_acceptance(3, 1)  # tau(3) ~ 1.98 for 2.2x the cost: K = 0 wins, but 10 samples cannot rule K = 3 out
+    assert c.expected_tau(3) < 2.2 < c.expected_tau(3, optimistic=True)
     picks = [c.choose(1, 1, PAGES) for _ in range(400)]
     assert set(picks) == {0, 3}  # never the dear K = 7
-    explore_time = picks.count(3) * (2.0 - 1.0)
-    assert picks.count(3) == 20 and explore_time / len(picks) <= 0.05  # period (2 - 1) / (0.05 * 1) = 20
+    explore_time = picks.count(3) * (2.2 - 1.0)
+    assert picks.count(3) == 16 and explore_time / len(picks) <= 0.05  # period (2.2 - 1) / (0.05 * 1) = 24
     c.record_acceptance(7, 3)
     p = c.per_position()
     assert all(a >= b for a, b in zip(p, p[1:]))
+
+
+def test_controller_explores_rarely_once_no_k_can_plausibly_win():
+    c = AdaptiveK((0, 3, 7), 7, explore_budget=0.05, idle_budget=0.005, min_explore_every=4)
+    for k, t in [(0, 1.0), (3, 2.0), (7, 3.0)]:
+        c.record_cost(1, k, 4, t)
+    assert c.expected_tau(3, optimistic=True) > 3.0  # the prior alone: anything is plausible
+    for _ in range(200):
+        c.record_acceptance(3, 0)  # drafts never accepted: even the upper bound on tau(3) is far below 2
+    assert c.expected_tau(3, optimistic=True) < 1.2 and c.expected_tau(7, optimistic=True) < 1.5
+    picks = [c.choose(1, 1, PAGES) for _ in range(1000)]
+    assert picks.count(3) == 5 and 7 not in picks  # period (2 - 1) / (0.005 * 1) = 200
+    for _ in range(100):
+        c.record_acceptance(3, 3)  # the workload changed: the next exploration sees it and speculation resumes
+    assert c.choose(1, 1, PAGES) == 3
+
+
+def test_controller_per_position_keeps_positions_beyond_the_explored_k():
+    c = AdaptiveK((0, 3, 7), 7)
+    for _ in range(100_000):  # long enough that decaying every position would underflow to 0 / 0
+        c.record_acceptance(3, 1)
+    p = c.per_position()
+    assert np.all(np.isfinite(p)) and abs(p[0] - 1.0) < 1e-6 and p[1] < 1e-6 and p[3] <= p[2]
 
 
 def test_adaptive_engine_is_lossless_and_uses_several_k(tiny_dirs):
@@ -74,6 +99,7 @@ def test_adaptive_engine_is_lossless_and_uses_several_k(tiny_dirs):
                        EngineConfig(max_model_len=64, page_size=8, max_num_seqs=4, adaptive_k=True,
                                     page_bucket_factor=4))
     engine.warmup_all(modes=(GREEDY,))
-    engine.controller.explore_budget, engine.controller.min_explore_every = 100.0, 3
+    c = engine.controller
+    c.explore_budget, c.idle_budget, c.min_explore_every = 100.0, 100.0, 3
     assert [s.output_ids for s in engine.generate(prompts, params)] == expected
     assert len(engine.k_history) >= 2, engine.k_history  # a random drafter: K = 0 mostly, exploration at K = 3

@@ -11,10 +11,12 @@ may gather fewer pages.
 The controller takes argmax_K expected_tokens(K) / cost(B, K, Pg(K)), so when drafts stop paying for their
 verification (large batches on a compute-bound CPU, a drafter that misses) it falls back to K = 0: a plain
 decoding step plus the proposer's context update (DFlash: fc + K/V rows of the accepted position, measured at
-0-4% of a step on the 2-core CPU).  While K = 0 wins it still verifies the smallest K > 0 now and then, so the
-acceptance estimates stay current, at a period chosen so that exploration costs at most `explore_budget` of
-the decode time: period = (cost(K1) - cost(0)) / (explore_budget * cost(0)) steps, at least
-`min_explore_every`.
+0.5-2% of a step on the 2-core CPU, scripts/k0_step_cost.py).  While K = 0 wins it still verifies the smallest
+K > 0 now and then, so the acceptance estimates stay current.  How often depends on whether some K > 0 could
+still plausibly win: its rate with every p_k at its upper confidence bound (Wilson, z = 2, on the decayed
+counts) beats K = 0 -> explore at `explore_budget` of the decode time; no K > 0 can win even then -> explore at
+the much smaller `idle_budget` (a drafter that clearly misses costs ~0.3%, not 3%, yet a change of workload is
+still noticed).  period = (cost(K1) - cost(0)) / (budget * cost(0)) steps, at least `min_explore_every`.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ import numpy as np
 
 class AdaptiveK:
     def __init__(self, k_options: tuple[int, ...], max_k: int, explore_budget: float = 0.03,
-                 min_explore_every: int = 8, decay: float = 0.99, window: int = 9):
-        if explore_budget <= 0:
-            raise ValueError(f"explore_budget must be > 0, got {explore_budget}")
+                 idle_budget: float = 0.003, min_explore_every: int = 8, decay: float = 0.99, window: int = 9,
+                 z: float = 2.0):
+        if explore_budget <= 0 or idle_budget <= 0:
+            raise ValueError(f"exploration budgets must be > 0, got {explore_budget}, {idle_budget}")
         self.k_options = tuple(sorted(set(k_options)))
         self.explore_budget = explore_budget
+        self.idle_budget = idle_budget
+        self.z = z
         self.min_explore_every = min_explore_every
         self.decay = decay
         prior = 0.5 ** np.arange(1, max_k + 1)  # optimistic-but-humble prior: p_k = 0.5^k, worth 2 observations
@@ -62,17 +67,25 @@ class AdaptiveK:
     def record_acceptance(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts <= 0:
             return
-        self.accepted *= self.decay
-        self.drafted *= self.decay
+        # Only the positions observed now decay: each p_k is an average over its own latest ~1 / (1 - decay)
+        # observations (positions beyond the explored K keep theirs instead of fading towards 0 / 0).
+        self.accepted[:num_drafts] *= self.decay
+        self.drafted[:num_drafts] *= self.decay
         self.drafted[:num_drafts] += 1.0
         self.accepted[:num_accepted] += 1.0
 
-    def per_position(self) -> np.ndarray:
-        """p_k = P(a >= k), k = 1..max_k (cumulative, monotone non-increasing)."""
-        return np.minimum.accumulate(np.clip(self.accepted / self.drafted, 0.0, 1.0))
+    def per_position(self, optimistic: bool = False) -> np.ndarray:
+        """p_k = P(a >= k), k = 1..max_k (cumulative, monotone non-increasing); `optimistic`: each p_k at the
+        upper end of its Wilson score interval (z standard errors) over the decayed counts."""
+        n = self.drafted
+        p = np.clip(self.accepted / n, 0.0, 1.0)
+        if optimistic:
+            z2 = self.z ** 2
+            p = (p + z2 / (2 * n) + self.z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))) / (1 + z2 / n)
+        return np.minimum.accumulate(np.clip(p, 0.0, 1.0))
 
-    def expected_tau(self, k: int) -> float:
-        return 1.0 + float(self.per_position()[:k].sum())
+    def expected_tau(self, k: int, optimistic: bool = False) -> float:
+        return 1.0 + float(self.per_position(optimistic)[:k].sum())
 
     # ------------------------------------------------------------------------------------------------ choice
     def choose(self, batch_bucket: int, num_seqs: int, pages: dict[int, int]) -> int:
@@ -91,8 +104,9 @@ class AdaptiveK:
             return best
         self.steps_since_explore += 1
         k1 = positive[0]
-        period = max(self.min_explore_every,
-                     math.ceil((costs[k1] - costs[0]) / (self.explore_budget * max(costs[0], 1e-9))))
+        plausible = any(num_seqs * self.expected_tau(k, optimistic=True) / costs[k] > best_rate for k in positive)
+        budget = self.explore_budget if plausible else self.idle_budget
+        period = max(self.min_explore_every, math.ceil((costs[k1] - costs[0]) / (budget * max(costs[0], 1e-9))))
         if self.steps_since_explore < period:
             return 0
         self.steps_since_explore = 0
