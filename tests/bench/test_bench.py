@@ -74,7 +74,26 @@ def test_bench_serve_cli_on_a_tiny_model(tiny_dirs, tmp_path):
     rows = {(r["method"], r["concurrency"]): r for r in record["rows"]}
     assert set(rows) == {("ar", 1), ("ar", 4), ("dflash", 1), ("dflash", 4)}
     assert all(r["rounds"] == 2 and r["requests"] == 8 and r["output_tokens"] == 64 for r in rows.values())
-    assert [r["method"] for r in record["rounds"]] == ["ar"] * 2 + ["dflash"] * 4 + ["ar"] * 2  # order alternates
+    # both servers live at once; per level the order alternates round by round
+    order = [(r["method"], r["concurrency"], r["round"]) for r in record["rounds"]]
+    assert order == [("ar", 1, 0), ("dflash", 1, 0), ("dflash", 1, 1), ("ar", 1, 1),
+                     ("ar", 4, 0), ("dflash", 4, 0), ("dflash", 4, 1), ("ar", 4, 1)]
     assert rows[("ar", 4)]["speedup_vs_ar"] == pytest.approx(1.0)
+    d = rows[("dflash", 4)]
+    tput = {(r["method"], r["round"]): r["throughput_tok_s"] for r in record["rounds"] if r["concurrency"] == 4}
+    assert d["paired_speedups"] == pytest.approx([tput[("dflash", i)] / tput[("ar", i)] for i in (0, 1)])
+    assert min(d["paired_speedups"]) <= d["speedup_vs_ar"] <= max(d["paired_speedups"])
     assert (out / "bench_serve.png").exists()
     assert "| dflash | 4 |" in proc.stdout
+
+
+def test_bench_serve_names_the_server_that_cannot_start(tiny_dirs, tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "specjax.cli", "bench-serve", "--model", tiny_dirs["qwen3"], "--drafter",
+           str(tmp_path / "missing"), "--methods", "ar,dflash", "--concurrency", "1", "--max-model-len", "256",
+           "--no-warmup", "--compile-cache", ""]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "the dflash server could not start" in proc.stderr and str(tmp_path / "missing") in proc.stderr

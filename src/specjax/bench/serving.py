@@ -126,6 +126,18 @@ def summarize_rounds(rows: list[dict]) -> list[dict]:
     return out
 
 
+def paired_speedups(summary: list[dict], rows: list[dict], baseline: str = "ar") -> None:
+    """Add to each summary row its throughput ratio to the baseline, round by round (runs of the same round and
+    level ran back to back) and their geometric mean as `speedup_vs_<baseline>`."""
+    tput = {(r["method"], r["concurrency"], r["round"]): r["throughput_tok_s"] for r in rows}
+    for s in summary:
+        ratios = [tput[(s["method"], s["concurrency"], rnd)] / tput[(baseline, s["concurrency"], rnd)]
+                  for rnd in sorted({r["round"] for r in rows if r["concurrency"] == s["concurrency"]})
+                  if (s["method"], s["concurrency"], rnd) in tput and (baseline, s["concurrency"], rnd) in tput]
+        s["paired_speedups"] = ratios
+        s[f"speedup_vs_{baseline}"] = float(np.exp(np.mean(np.log(ratios)))) if ratios else None
+
+
 def plot_serving(rows: list[dict], path: str) -> None:
     import matplotlib
 

@@ -51,61 +51,109 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def bench_serve_method(args, method: str, levels: list[int], prompts: list[str]) -> list[dict]:
-    """One method's sweep over the concurrency levels against its own live server (run in a fresh process)."""
+def serve_worker(args, method: str, conn) -> None:
+    """A bench-serve method's live server, in a process of its own: sends (url, served name) once it serves
+    (or ("error", message) if it cannot start), then serves until the parent sends anything."""
     import copy
 
-    from specjax.bench.serving import bench_level, running
+    from specjax.bench.serving import running
 
-    enable_compile_cache(args.compile_cache)
-    margs = copy.copy(args)
-    margs.method = method
-    margs.max_num_seqs = max(levels)
-    app, service, llm, name = build_server(margs)
-    rows = []
+    try:
+        enable_compile_cache(args.compile_cache)
+        margs = copy.copy(args)
+        margs.method = method
+        app, service, _, name = build_server(margs)
+    except Exception as e:  # noqa: BLE001 - the parent reports it with the method's name
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
     with running(app, service) as url:
-        bench_level(url, name, prompts, 1, 1, 8)  # first request through the HTTP path (excluded)
-        for c in levels:
-            row = {"method": method, **bench_level(url, name, prompts, c, max(c, args.requests_per_level),
-                                                   args.max_tokens)}
-            rows.append(row)
-            print(f"{method:>7} c={c:<3} {row['throughput_tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:7.0f} ms"
-                  f"  TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} ms  tau {row['tau'] or 0:.2f}  K {row['k_steps']}",
-                  file=sys.stderr, flush=True)
-    return rows
+        conn.send((url, name))
+        conn.recv()
+
+
+def start_servers(args, methods: list[str]) -> dict:
+    """One spawned server process per method, all started (and warmed up) before any load: {method: (process,
+    connection, url, served name)}."""
+    import multiprocessing
+
+    from specjax.config import ConfigError
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = {}
+    for method in methods:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=serve_worker, args=(args, method, child), daemon=True)
+        proc.start()
+        procs[method] = (proc, parent)
+    servers = {}
+    try:
+        for method, (proc, conn) in procs.items():
+            while not conn.poll(1.0):
+                if not proc.is_alive():
+                    raise ConfigError(f"the {method} server exited with code {proc.exitcode} before serving")
+            url, name = conn.recv()
+            if url == "error":
+                raise ConfigError(f"the {method} server could not start: {name}")
+            servers[method] = (proc, conn, url, name)
+    except BaseException:
+        for proc, _ in procs.values():
+            proc.kill()
+        raise
+    return servers
+
+
+def stop_servers(servers: dict) -> None:
+    for proc, conn, _, _ in servers.values():
+        if proc.is_alive():
+            conn.send("stop")
+    for proc, *_ in servers.values():
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
 
 
 def cmd_bench_serve(args) -> int:
-    import multiprocessing
-
-    from specjax.bench.serving import plot_serving, summarize_rounds
+    from specjax.bench.serving import bench_level, paired_speedups, plot_serving, summarize_rounds
     from specjax.config import ConfigError
     from specjax.datasets import load_eval
 
     if args.rounds < 1:
         raise ConfigError(f"--rounds must be >= 1, got {args.rounds}")
     levels = [int(c) for c in args.concurrency.split(",")]
+    args.max_num_seqs = max(levels)
     prompts = [p.turns[0] for name in args.datasets.split(",")
                for p in load_eval(name, args.data_dir)[:args.num_prompts]]
     methods = args.methods.split(",")
     rows = []
-    # Every method runs in a fresh process (nothing of one engine's memory or caches outlives it), and with
-    # --rounds > 1 the order alternates (ar, dflash, dflash, ar, ...) so that a drifting machine speed hits
-    # every method alike.
-    ctx = multiprocessing.get_context("spawn")
-    for rnd in range(args.rounds):
-        for method in methods if rnd % 2 == 0 else methods[::-1]:
-            with ctx.Pool(1) as pool:
-                rows += [{**r, "round": rnd} for r in pool.apply(bench_serve_method, (args, method, levels, prompts))]
-    summary = summarize_rounds(rows)
-    base = {r["concurrency"]: r for r in summary if r["method"] == "ar"}
-    print("| method | concurrency | tok/s | speedup vs ar | TTFT p50 / p90 ms | TPOT p50 / p90 ms | tau "
-          "| K used (steps) |")
+    # Every method serves from a process of its own (an engine's memory and caches never meet another's), all
+    # alive at once, so the methods take turns level by level: within a level the order alternates round by
+    # round (ar, dflash, dflash, ar, ...) and every method meets the machine in the same state of drift.
+    servers = start_servers(args, methods)
+    try:
+        for method, (_, _, url, name) in servers.items():
+            bench_level(url, name, prompts, 1, 1, 8)  # first request through the HTTP path (excluded)
+        for c in levels:
+            for rnd in range(args.rounds):
+                for method in methods if rnd % 2 == 0 else methods[::-1]:
+                    _, _, url, name = servers[method]
+                    row = {"method": method, "round": rnd,
+                           **bench_level(url, name, prompts, c, max(c, args.requests_per_level), args.max_tokens)}
+                    rows.append(row)
+                    print(f"{method:>7} c={c:<3} round {rnd} {row['throughput_tok_s']:7.1f} tok/s  TTFT p50 "
+                          f"{row['ttft_ms_p50']:7.0f} ms  TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} ms  "
+                          f"tau {row['tau'] or 0:.2f}  K {row['k_steps']}", file=sys.stderr, flush=True)
+    finally:
+        stop_servers(servers)
+    summary = sorted(summarize_rounds(rows), key=lambda r: (methods.index(r["method"]), r["concurrency"]))
+    paired_speedups(summary, rows, baseline="ar")
+    print("| method | concurrency | tok/s | speedup vs ar (paired rounds: min-max) | TTFT p50 / p90 ms "
+          "| TPOT p50 / p90 ms | tau | K used (steps) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in summary:
-        b = base.get(r["concurrency"])
-        r["speedup_vs_ar"] = r["throughput_tok_s"] / b["throughput_tok_s"] if b else None
-        sp = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
+        sp = "-"
+        if r.get("speedup_vs_ar") is not None:
+            lo, hi = min(r["paired_speedups"]), max(r["paired_speedups"])
+            sp = f"{r['speedup_vs_ar']:.3f}x ({lo:.2f}-{hi:.2f})"
         print(f"| {r['method']} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {sp} | "
               f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p90']:.0f} | "
               f"{r['tpot_ms_p50'] or 0:.1f} / {r['tpot_ms_p90'] or 0:.1f}"
@@ -157,6 +205,6 @@ def register(sub) -> None:
     bs.add_argument("--num-prompts", type=int, default=16, help="prompts taken per dataset")
     bs.add_argument("--data-dir", default=None)
     bs.add_argument("--rounds", type=int, default=1,
-                    help="repeat the sweep, alternating the method order each round (noisy machines)")
+                    help="runs per method and level, the method order alternating round by round (noisy machines)")
     bs.add_argument("--out-dir", default=None)
     bs.set_defaults(func=cmd_bench_serve)
