@@ -370,7 +370,7 @@ class EngineConfig:
     adaptive_k: bool = False
     """Choose K per step from k_options with a measured cost model (K = 0 = plain decoding)."""
     k_options: tuple[int, ...] | None = None
-    """K values compiled for adaptive speculation; None = (0, K // 2, K)."""
+    """K values compiled for adaptive speculation; None = (0, K // 4, K // 2, K)."""
     max_prefill_seqs: int = 4
     """Most sequences prefilled (one chunk each) in one step, alongside the decode step of the others."""
     page_bucket_factor: int = 2

@@ -79,6 +79,21 @@ def test_controller_explores_rarely_once_no_k_can_plausibly_win():
     assert c.choose(1, 1, PAGES) == 3
 
 
+def test_controller_climbs_to_a_larger_k_when_drafts_are_good():
+    """A step at K only measures p_1..p_K: with flat verification costs (a GPU) and a drafter that is always
+    right, exploration must carry the choice from the cheapest K up to the largest."""
+    c = AdaptiveK((0, 3, 7, 15), 15, explore_budget=0.05, min_explore_every=4)
+    for k, t in [(0, 1.0), (3, 1.1), (7, 1.2), (15, 1.4)]:
+        c.record_cost(1, k, 4, t)
+    picks = []
+    for _ in range(300):
+        k = c.choose(1, 1, {0: 4, 3: 4, 7: 4, 15: 4})
+        picks.append(k)
+        c.record_acceptance(k, k)  # every draft accepted
+    assert picks[-50:].count(15) == 50, picks[-50:]
+    assert c.expected_tau(15) > 15
+
+
 def test_controller_per_position_keeps_positions_beyond_the_explored_k():
     c = AdaptiveK((0, 3, 7), 7)
     for _ in range(100_000):  # long enough that decaying every position would underflow to 0 / 0

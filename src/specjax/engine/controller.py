@@ -11,12 +11,15 @@ may gather fewer pages.
 The controller takes argmax_K expected_tokens(K) / cost(B, K, Pg(K)), so when drafts stop paying for their
 verification (large batches on a compute-bound CPU, a drafter that misses) it falls back to K = 0: a plain
 decoding step plus the proposer's context update (DFlash: fc + K/V rows of the accepted position, measured at
-0.5-2% of a step on the 2-core CPU, scripts/k0_step_cost.py).  While K = 0 wins it still verifies the smallest
-K > 0 now and then, so the acceptance estimates stay current.  How often depends on whether some K > 0 could
-still plausibly win: its rate with every p_k at its upper confidence bound (Wilson, z = 2, on the decayed
-counts) beats K = 0 -> explore at `explore_budget` of the decode time; no K > 0 can win even then -> explore at
-the much smaller `idle_budget` (a drafter that clearly misses costs ~0.3%, not 3%, yet a change of workload is
-still noticed).  period = (cost(K1) - cost(0)) / (budget * cost(0)) steps, at least `min_explore_every`.
+0.5-2% of a step on the 2-core CPU, scripts/k0_step_cost.py).
+
+A step at K refreshes the estimates of p_1..p_K only, so the controller also tries a larger K now and then:
+the cheapest one whose rate, with every p_k at the upper end of its confidence interval (Wilson, z = 2, on the
+decayed counts), beats the chosen K -> at `explore_budget` of the decode time (this is how it climbs from K = 3
+to K = 15 when drafts are good); while K = 0 wins and no K > 0 can win even optimistically, the smallest K > 0
+at the much smaller `idle_budget` (a drafter that clearly misses costs ~0.3%, not 3%, yet a change of workload
+is still noticed).  Exploration period = (cost(K') - cost(K)) / (budget * cost(K)) steps, at least
+`min_explore_every`.
 """
 
 from __future__ import annotations
@@ -90,24 +93,29 @@ class AdaptiveK:
     # ------------------------------------------------------------------------------------------------ choice
     def choose(self, batch_bucket: int, num_seqs: int, pages: dict[int, int]) -> int:
         """K for the next step; pages[k] = the page bucket a step with k drafts would gather."""
-        best, best_rate, costs = self.k_options[0], -1.0, {}
+        costs, rates = {}, {}
         for k in self.k_options:
             costs[k] = self.cost(batch_bucket, k, pages[k])
             if costs[k] is None:
                 return k  # unmeasured: measure it (warm-up normally fills every entry)
-            rate = num_seqs * self.expected_tau(k) / costs[k]
-            if rate > best_rate:
-                best, best_rate = k, rate
-        positive = [k for k in self.k_options if k > 0]
-        if best != 0 or not positive:
-            self.steps_since_explore = 0  # speculating: every step refreshes the acceptance estimates
+            rates[k] = num_seqs * self.expected_tau(k) / costs[k]
+        best = max(self.k_options, key=lambda k: rates[k])  # ties: the smallest K
+        # Exploration: verified steps at `best` refresh p_1..p_best only, so a larger K is tried now and then —
+        # the cheapest one that could plausibly beat `best` (at explore_budget), else, while K = 0 wins, the
+        # smallest K > 0 (at idle_budget) so that a change of workload is noticed.
+        larger = [k for k in self.k_options if k > best]
+        plausible = [k for k in larger if num_seqs * self.expected_tau(k, optimistic=True) / costs[k] > rates[best]]
+        if plausible:
+            explore, budget = plausible[0], self.explore_budget
+        elif best == 0 and larger:
+            explore, budget = larger[0], self.idle_budget
+        else:
+            self.steps_since_explore = 0
             return best
         self.steps_since_explore += 1
-        k1 = positive[0]
-        plausible = any(num_seqs * self.expected_tau(k, optimistic=True) / costs[k] > best_rate for k in positive)
-        budget = self.explore_budget if plausible else self.idle_budget
-        period = max(self.min_explore_every, math.ceil((costs[k1] - costs[0]) / (budget * max(costs[0], 1e-9))))
+        period = max(self.min_explore_every,
+                     math.ceil((costs[explore] - costs[best]) / (budget * max(costs[best], 1e-9))))
         if self.steps_since_explore < period:
-            return 0
+            return best
         self.steps_since_explore = 0
-        return k1
+        return explore

@@ -60,7 +60,7 @@ class LLMEngine:
             raise ConfigError(f"num_draft_tokens={k} exceeds what {self.proposer.name} can draft "
                               f"({self.proposer.max_draft_tokens}; block_size - 1 for dflash)")
         self.num_draft = k
-        options = config.k_options if config.k_options is not None else (0, k // 2, k)
+        options = config.k_options if config.k_options is not None else (0, k // 4, k // 2, k)
         if max(options) > k:
             raise ConfigError(f"k_options {options} exceed num_draft_tokens={k}")
         self.k_options = tuple(sorted(set(options))) if config.adaptive_k else (k,)
