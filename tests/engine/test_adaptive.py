@@ -49,7 +49,7 @@ def test_controller_cost_is_a_robust_median_per_page_bucket():
 
 
 def test_controller_explores_smallest_k_within_its_time_budget():
-    c = AdaptiveK((0, 3, 7), 7, explore_budget=0.05, idle_budget=0.005, min_explore_every=4)
+    c = AdaptiveK((0, 3, 7), 7, explore_budget=0.05, idle_budget=0.005, min_explore_every=4, refresh_every=10**6)
     for k, t in [(0, 1.0), (3, 2.2), (7, 100.0)]:
         c.record_cost(1, k, 4, t)
     for _ in range(10):
@@ -65,7 +65,7 @@ def test_controller_explores_smallest_k_within_its_time_budget():
 
 
 def test_controller_explores_rarely_once_no_k_can_plausibly_win():
-    c = AdaptiveK((0, 3, 7), 7, explore_budget=0.05, idle_budget=0.005, min_explore_every=4)
+    c = AdaptiveK((0, 3, 7), 7, explore_budget=0.05, idle_budget=0.005, min_explore_every=4, refresh_every=10**6)
     for k, t in [(0, 1.0), (3, 2.0), (7, 3.0)]:
         c.record_cost(1, k, 4, t)
     assert c.expected_tau(3, optimistic=True) > 3.0  # the prior alone: anything is plausible
@@ -82,7 +82,7 @@ def test_controller_explores_rarely_once_no_k_can_plausibly_win():
 def test_controller_climbs_to_a_larger_k_when_drafts_are_good():
     """A step at K only measures p_1..p_K: with flat verification costs (a GPU) and a drafter that is always
     right, exploration must carry the choice from the cheapest K up to the largest."""
-    c = AdaptiveK((0, 3, 7, 15), 15, explore_budget=0.05, min_explore_every=4)
+    c = AdaptiveK((0, 3, 7, 15), 15, explore_budget=0.05, min_explore_every=4, refresh_every=10**6)
     for k, t in [(0, 1.0), (3, 1.1), (7, 1.2), (15, 1.4)]:
         c.record_cost(1, k, 4, t)
     picks = []
@@ -118,3 +118,20 @@ def test_adaptive_engine_is_lossless_and_uses_several_k(tiny_dirs):
     c.explore_budget, c.idle_budget, c.min_explore_every = 100.0, 100.0, 3
     assert [s.output_ids for s in engine.generate(prompts, params)] == expected
     assert len(engine.k_history) >= 2, engine.k_history  # a random drafter: K = 0 mostly, exploration at K = 3
+
+
+def test_controller_retimes_a_cheaper_k_whose_cost_was_inflated_once():
+    """Start-up timed K = 0 while another process compiled (3x its real cost): speculation looks worth it.  The
+    controller must re-time K = 0 within `refresh_every` steps, drop the stale timings and stop speculating."""
+    c = AdaptiveK((0, 3), 3, min_explore_every=10**6, refresh_every=50)
+    for k, t in [(0, 3.0), (0, 3.0), (3, 2.0), (3, 2.0)]:
+        c.record_cost(1, k, 4, t)  # warm-up: K = 0 inflated
+    for _ in range(100):
+        c.record_acceptance(3, 0)  # tau(3) ~ 1: the drafts are useless, K = 3 only "wins" through K = 0's cost
+    picks = []
+    for _ in range(200):
+        k = c.choose(1, 1, {0: 4, 3: 4})
+        picks.append(k)
+        c.record_cost(1, k, 4, {0: 1.0, 3: 2.0}[k])  # the real costs
+    assert picks[0] == 3 and picks.index(0) == 50  # the 51st choice re-times K = 0
+    assert c.cost(1, 0, 4) == 1.0 and set(picks[51:]) == {0}  # the stale 3.0 s expired at once

@@ -72,22 +72,21 @@ def serve_worker(args, method: str, conn) -> None:
 
 
 def start_servers(args, methods: list[str]) -> dict:
-    """One spawned server process per method, all started (and warmed up) before any load: {method: (process,
-    connection, url, served name)}."""
+    """One spawned server process per method, started one after the other (a server's start-up timings feed its
+    cost model, so they must not share the CPU with another's compilation), all serving before any load:
+    {method: (process, connection, url, served name)}."""
     import multiprocessing
 
     from specjax.config import ConfigError
 
     ctx = multiprocessing.get_context("spawn")
-    procs = {}
-    for method in methods:
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=serve_worker, args=(args, method, child), daemon=True)
-        proc.start()
-        procs[method] = (proc, parent)
     servers = {}
     try:
-        for method, (proc, conn) in procs.items():
+        for method in methods:
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=serve_worker, args=(args, method, child), daemon=True)
+            proc.start()
+            servers[method] = (proc, conn, None, None)
             while not conn.poll(1.0):
                 if not proc.is_alive():
                     raise ConfigError(f"the {method} server exited with code {proc.exitcode} before serving")
@@ -96,7 +95,7 @@ def start_servers(args, methods: list[str]) -> dict:
                 raise ConfigError(f"the {method} server could not start: {name}")
             servers[method] = (proc, conn, url, name)
     except BaseException:
-        for proc, _ in procs.values():
+        for proc, *_ in servers.values():
             proc.kill()
         raise
     return servers

@@ -19,7 +19,9 @@ decayed counts), beats the chosen K -> at `explore_budget` of the decode time (t
 to K = 15 when drafts are good); while K = 0 wins and no K > 0 can win even optimistically, the smallest K > 0
 at the much smaller `idle_budget` (a drafter that clearly misses costs ~0.3%, not 3%, yet a change of workload
 is still noticed).  Exploration period = (cost(K') - cost(K)) / (budget * cost(K)) steps, at least
-`min_explore_every`.
+`min_explore_every`.  Costs go stale too: a shape's timings expire when it has not run for `refresh_every`
+choices, and a K cheaper than the chosen one is run once per `refresh_every` steps to re-time it (a K = 0
+step timed during start-up contention once kept a single-user server speculating at 0.65x of plain decoding).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 class AdaptiveK:
     def __init__(self, k_options: tuple[int, ...], max_k: int, explore_budget: float = 0.03,
                  idle_budget: float = 0.003, min_explore_every: int = 8, decay: float = 0.99, window: int = 9,
-                 z: float = 2.0):
+                 z: float = 2.0, refresh_every: int = 128):
         if explore_budget <= 0 or idle_budget <= 0:
             raise ValueError(f"exploration budgets must be > 0, got {explore_budget}, {idle_budget}")
         self.k_options = tuple(sorted(set(k_options)))
@@ -46,15 +48,19 @@ class AdaptiveK:
         self.accepted = 2.0 * prior
         self.drafted = np.full(max_k, 2.0)
         self.samples: dict[tuple[int, int, int], collections.deque] = {}
+        self.measured_at: dict[tuple[int, int, int], int] = {}  # choice count at each shape's latest timing
         self.window = window
+        self.refresh_every = refresh_every
+        self.num_choices = 0
         self.steps_since_explore = 0
 
     # ------------------------------------------------------------------------------------------------ costs
     def record_cost(self, batch_bucket: int, k: int, pages: int, seconds: float) -> None:
         key = (batch_bucket, k, pages)
-        if key not in self.samples:
-            self.samples[key] = collections.deque(maxlen=self.window)
+        if key not in self.samples or self.num_choices - self.measured_at[key] >= self.refresh_every:
+            self.samples[key] = collections.deque(maxlen=self.window)  # stale timings expire on a new one
         self.samples[key].append(seconds)
+        self.measured_at[key] = self.num_choices
 
     def cost(self, batch_bucket: int, k: int, pages: int) -> float | None:
         """Median step time of (B, K, Pg); an unmeasured page bucket borrows the nearest measured one."""
@@ -93,6 +99,7 @@ class AdaptiveK:
     # ------------------------------------------------------------------------------------------------ choice
     def choose(self, batch_bucket: int, num_seqs: int, pages: dict[int, int]) -> int:
         """K for the next step; pages[k] = the page bucket a step with k drafts would gather."""
+        self.num_choices += 1
         costs, rates = {}, {}
         for k in self.k_options:
             costs[k] = self.cost(batch_bucket, k, pages[k])
@@ -100,6 +107,12 @@ class AdaptiveK:
                 return k  # unmeasured: measure it (warm-up normally fills every entry)
             rates[k] = num_seqs * self.expected_tau(k) / costs[k]
         best = max(self.k_options, key=lambda k: rates[k])  # ties: the smallest K
+        for k in self.k_options:
+            # A cheaper K that is not chosen is never timed again: refresh it now and then, or a cost inflated
+            # once (a step timed while another process compiled) would keep speculation on where it loses.
+            last = self.measured_at.get((batch_bucket, k, pages[k]), 0)
+            if k < best and self.num_choices - last > self.refresh_every:
+                return k
         # Exploration: verified steps at `best` refresh p_1..p_best only, so a larger K is tried now and then —
         # the cheapest one that could plausibly beat `best` (at explore_budget), else, while K = 0 wins, the
         # smallest K > 0 (at idle_budget) so that a change of workload is noticed.
