@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 
 import numpy as np
 
@@ -48,6 +49,8 @@ class AdaptiveK:
         self.accepted = 2.0 * prior
         self.drafted = np.full(max_k, 2.0)
         self.samples: dict[tuple[int, int, int], collections.deque] = {}
+        self.medians: dict[tuple[int, int, int], float] = {}
+        self.taus: dict[bool, np.ndarray] = {}  # 1 + cumsum(p_k), plain and optimistic; reset by new acceptance
         self.measured_at: dict[tuple[int, int, int], int] = {}  # choice count at each shape's latest timing
         self.window = window
         self.refresh_every = refresh_every
@@ -60,17 +63,18 @@ class AdaptiveK:
         if key not in self.samples or self.num_choices - self.measured_at[key] >= self.refresh_every:
             self.samples[key] = collections.deque(maxlen=self.window)  # stale timings expire on a new one
         self.samples[key].append(seconds)
+        self.medians[key] = statistics.median(self.samples[key])
         self.measured_at[key] = self.num_choices
 
     def cost(self, batch_bucket: int, k: int, pages: int) -> float | None:
         """Median step time of (B, K, Pg); an unmeasured page bucket borrows the nearest measured one."""
-        found = self.samples.get((batch_bucket, k, pages))
-        if not found:
-            near = [key for key in self.samples if key[:2] == (batch_bucket, k)]
+        found = self.medians.get((batch_bucket, k, pages))
+        if found is None:
+            near = [key for key in self.medians if key[:2] == (batch_bucket, k)]
             if not near:
                 return None
-            found = self.samples[min(near, key=lambda key: (abs(math.log(key[2] / pages)), key[2]))]
-        return float(np.median(found))
+            found = self.medians[min(near, key=lambda key: (abs(math.log(key[2] / pages)), key[2]))]
+        return found
 
     # ------------------------------------------------------------------------------------------------ acceptance
     def record_acceptance(self, num_drafts: int, num_accepted: int) -> None:
@@ -82,6 +86,7 @@ class AdaptiveK:
         self.drafted[:num_drafts] *= self.decay
         self.drafted[:num_drafts] += 1.0
         self.accepted[:num_accepted] += 1.0
+        self.taus = {}
 
     def per_position(self, optimistic: bool = False) -> np.ndarray:
         """p_k = P(a >= k), k = 1..max_k (cumulative, monotone non-increasing); `optimistic`: each p_k at the
@@ -94,7 +99,10 @@ class AdaptiveK:
         return np.minimum.accumulate(np.clip(p, 0.0, 1.0))
 
     def expected_tau(self, k: int, optimistic: bool = False) -> float:
-        return 1.0 + float(self.per_position(optimistic)[:k].sum())
+        """1 + p_1 + ... + p_k (cached between acceptance updates: choose() runs on every decode step)."""
+        if optimistic not in self.taus:
+            self.taus[optimistic] = 1.0 + np.concatenate([[0.0], np.cumsum(self.per_position(optimistic))])
+        return float(self.taus[optimistic][k])
 
     # ------------------------------------------------------------------------------------------------ choice
     def choose(self, batch_bucket: int, num_seqs: int, pages: dict[int, int]) -> int:
