@@ -97,3 +97,18 @@ def test_bench_serve_names_the_server_that_cannot_start(tiny_dirs, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "the dflash server could not start" in proc.stderr and str(tmp_path / "missing") in proc.stderr
+
+
+def test_request_lengths_vary_the_same_way_for_every_method():
+    from specjax.bench.serving import request_max_tokens
+
+    assert [request_max_tokens(i, 64, 0.0) for i in range(5)] == [64] * 5
+    lengths = [request_max_tokens(i, 64, 0.5) for i in range(400)]
+    assert lengths == [request_max_tokens(i, 64, 0.5) for i in range(400)]  # a function of the request index only
+    assert min(lengths) >= 32 and max(lengths) <= 96 and len(set(lengths)) > 40
+    assert abs(np.mean(lengths) - 64) < 3
+
+
+def test_bench_serve_rejects_a_bad_length_spread(capsys):
+    assert main(["bench-serve", "--max-tokens-spread", "1.5"]) != 0
+    assert "--max-tokens-spread must be in [0, 1)" in capsys.readouterr().err

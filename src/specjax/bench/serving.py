@@ -74,14 +74,25 @@ async def one_request(client, url, model, prompt, max_tokens):
             "tpot": (last - first) / (n - 1) if n > 1 else None}
 
 
-async def run_level(url, model, prompts, concurrency, num_requests, max_tokens):
+def request_max_tokens(i: int, max_tokens: int, spread: float) -> int:
+    """Output length of request i: max_tokens, or with spread > 0 uniform in (1 -+ spread) x max_tokens, drawn
+    from a generator seeded by i, so every method and round gets the same lengths.  Equal lengths keep
+    closed-loop clients in lock-step (they finish and return together), which varied lengths break."""
+    if spread == 0:
+        return max_tokens
+    u = np.random.default_rng(i).random()
+    return max(1, round(max_tokens * (1 - spread + 2 * spread * u)))
+
+
+async def run_level(url, model, prompts, concurrency, num_requests, max_tokens, spread=0.0):
     queue = list(range(num_requests))
     results = []
 
     async def worker(client):
         while queue:
             i = queue.pop()
-            results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens))
+            results.append(await one_request(client, url, model, prompts[i % len(prompts)],
+                                             request_max_tokens(i, max_tokens, spread)))
 
     async with httpx.AsyncClient(timeout=None) as client:
         t0 = time.perf_counter()
@@ -90,9 +101,9 @@ async def run_level(url, model, prompts, concurrency, num_requests, max_tokens):
     return results, wall
 
 
-def bench_level(url, model, prompts, concurrency, num_requests, max_tokens) -> dict:
+def bench_level(url, model, prompts, concurrency, num_requests, max_tokens, spread=0.0) -> dict:
     before = scrape(url)
-    results, wall = asyncio.run(run_level(url, model, prompts, concurrency, num_requests, max_tokens))
+    results, wall = asyncio.run(run_level(url, model, prompts, concurrency, num_requests, max_tokens, spread))
     after = scrape(url)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     steps = delta.get("specjax_decode_sequence_steps_total", 0.0)

@@ -118,6 +118,8 @@ def cmd_bench_serve(args) -> int:
 
     if args.rounds < 1:
         raise ConfigError(f"--rounds must be >= 1, got {args.rounds}")
+    if not 0 <= args.max_tokens_spread < 1:
+        raise ConfigError(f"--max-tokens-spread must be in [0, 1), got {args.max_tokens_spread}")
     levels = [int(c) for c in args.concurrency.split(",")]
     args.max_num_seqs = max(levels)
     prompts = [p.turns[0] for name in args.datasets.split(",")
@@ -136,7 +138,8 @@ def cmd_bench_serve(args) -> int:
                 for method in methods if rnd % 2 == 0 else methods[::-1]:
                     _, _, url, name = servers[method]
                     row = {"method": method, "round": rnd,
-                           **bench_level(url, name, prompts, c, max(c, args.requests_per_level), args.max_tokens)}
+                           **bench_level(url, name, prompts, c, max(c, args.requests_per_level), args.max_tokens,
+                                         args.max_tokens_spread)}
                     rows.append(row)
                     print(f"{method:>7} c={c:<3} round {rnd} {row['throughput_tok_s']:7.1f} tok/s  TTFT p50 "
                           f"{row['ttft_ms_p50']:7.0f} ms  TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} ms  "
@@ -159,6 +162,7 @@ def cmd_bench_serve(args) -> int:
               f" | {r['tau'] or 0:.2f} | {r['k_steps']} |")
     record = {"kind": "bench-serve", "machine": machine_info(), "rows": summary, "rounds": rows,
               "config": {"concurrency": levels, "methods": args.methods, "max_tokens": args.max_tokens,
+                         "max_tokens_spread": args.max_tokens_spread,
                          "requests_per_level": args.requests_per_level, "datasets": args.datasets,
                          "rounds": args.rounds, "drafter": args.drafter, "adaptive_k": args.adaptive_k,
                          "command": " ".join(sys.argv)}}
@@ -200,6 +204,9 @@ def register(sub) -> None:
     bs.add_argument("--concurrency", default="1,4,8,16,32")
     bs.add_argument("--requests-per-level", type=int, default=16)
     bs.add_argument("--max-tokens", type=int, default=64)
+    bs.add_argument("--max-tokens-spread", type=float, default=0.0,
+                    help="vary output lengths uniformly in (1 -+ spread) x max-tokens, the same per request for "
+                         "every method (0 = all equal: closed-loop clients then run in lock-step)")
     bs.add_argument("--datasets", default="gsm8k,humaneval,mt_bench")
     bs.add_argument("--num-prompts", type=int, default=16, help="prompts taken per dataset")
     bs.add_argument("--data-dir", default=None)
