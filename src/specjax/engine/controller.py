@@ -17,10 +17,12 @@ A step at K refreshes the estimates of p_1..p_K only, so the controller also tri
 the cheapest one whose rate, with every p_k at the upper end of its confidence interval (Wilson, z = 2, on the
 decayed counts), beats the chosen K -> at `explore_budget` of the decode time (this is how it climbs from K = 3
 to K = 15 when drafts are good); while K = 0 wins and no K > 0 can win even optimistically, the smallest K > 0
-at the much smaller `idle_budget` (a drafter that clearly misses costs ~0.3%, not 3%, yet a change of workload
+at the smaller `idle_budget` (a drafter that clearly misses costs ~0.3%, not 1%, yet a change of workload
 is still noticed).  Exploration period = (cost(K') - cost(K)) / (budget * cost(K)) steps, at least
-`min_explore_every`.  Costs go stale too: a shape's timings expire when it has not run for `refresh_every`
-choices, and a K cheaper than the chosen one is run once per `refresh_every` steps to re-time it (a K = 0
+`min_explore_every`.  (The budget was 3% until a 4-client run with varied request lengths lost 6.6% to plain
+decoding, an estimated 1.5-3 points of it to exploration steps at K = 3 / 7 that a batch of 4 could not pay
+for.)  Costs go stale too: a shape's timings expire when it has not run for `refresh_every` choices, and a K
+cheaper than the chosen one is run once per `refresh_every` steps to re-time it (a K = 0
 step timed during start-up contention once kept a single-user server speculating at 0.65x of plain decoding).
 """
 
@@ -34,7 +36,7 @@ import numpy as np
 
 
 class AdaptiveK:
-    def __init__(self, k_options: tuple[int, ...], max_k: int, explore_budget: float = 0.03,
+    def __init__(self, k_options: tuple[int, ...], max_k: int, explore_budget: float = 0.01,
                  idle_budget: float = 0.003, min_explore_every: int = 8, decay: float = 0.99, window: int = 9,
                  z: float = 2.0, refresh_every: int = 128):
         if explore_budget <= 0 or idle_budget <= 0:
