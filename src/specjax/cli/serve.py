@@ -103,8 +103,10 @@ def start_servers(args, methods: list[str]) -> dict:
 
 def stop_servers(servers: dict) -> None:
     for proc, conn, _, _ in servers.values():
-        if proc.is_alive():
+        try:
             conn.send("stop")
+        except OSError:  # the server already exited: its end of the pipe is closed
+            pass
     for proc, *_ in servers.values():
         proc.join(timeout=30)
         if proc.is_alive():
