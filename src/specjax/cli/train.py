@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
@@ -15,7 +16,7 @@ def cmd_regenerate(args) -> int:
     from tqdm import tqdm
 
     from specjax.config import EngineConfig
-    from specjax.datasets import load_train_prompts
+    from specjax.datasets import load_heldout, load_train_prompts
     from specjax.llm import LLM
     from specjax.train.regen import regenerate
     from specjax.train.store import TokenStore
@@ -25,7 +26,11 @@ def cmd_regenerate(args) -> int:
         max_model_len=args.max_prompt_tokens + args.max_new_tokens + 1, max_num_seqs=args.batch_size,
         page_size=16, prefill_chunk=256))
     sources = args.sources.split(",")
-    prompts = load_train_prompts(sources, args.data_dir, args.sharegpt_file)
+    train_sources = [s for s in sources if not s.startswith("heldout:")]
+    prompts = load_train_prompts(train_sources, args.data_dir, args.sharegpt_file) if train_sources else []
+    for s in sources:  # heldout:NAME = eval prompts after the benchmark's (simulated tau during training)
+        if s.startswith("heldout:"):
+            prompts += load_heldout(s.split(":", 1)[1], args.data_dir)
     by_source = {s: [p for p in prompts if p.dataset == s] for s in sources}
     rng = random.Random(args.seed)
     for lst in by_source.values():
@@ -85,9 +90,20 @@ def cmd_cache_features(args) -> int:
     return 0
 
 
-def cmd_train_drafter(args) -> int:
+def draft_vocabulary(store, vocab_size: int, size: int):
+    """The `size` most frequent response tokens of `store` (sorted ids) and the share of responses they cover."""
     import numpy as np
 
+    from specjax.train.eagle3_objective import draft_vocab_from_counts
+
+    counts = np.zeros(vocab_size, np.int64)
+    for rec, toks in store.sequences():
+        counts += np.bincount(toks[rec["prompt_len"]:], minlength=vocab_size)
+    ids = draft_vocab_from_counts(counts, min(size, vocab_size))
+    return ids, float(counts[ids].sum() / max(1, counts.sum()))
+
+
+def cmd_train_drafter(args) -> int:
     from specjax.datasets import load_eval
     from specjax.drafter.loader import drafter_config_for
     from specjax.llm import DTYPES
@@ -102,27 +118,47 @@ def cmd_train_drafter(args) -> int:
     cfg = TrainConfig(block_size=args.block_size, batch_size=args.batch_size, num_anchors=args.num_anchors,
                       max_len=args.max_len, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
                       weight_decay=args.weight_decay, gamma=args.gamma, seed=args.seed, save_every=args.save_every,
-                      eval_every=args.eval_every)
+                      eval_every=args.eval_every, schedule=args.schedule, optimizer=args.optimizer,
+                      max_hours=args.max_hours, sim_every=args.sim_every)
+    vocab = target.config.vocab_size
+    draft_ids, coverage = None, 1.0
+    if 0 < args.draft_vocab_size < vocab:
+        draft_ids, coverage = draft_vocabulary(store, vocab, args.draft_vocab_size)
     if args.method == "dflash":
-        dcfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block_size,
-                                  target_layer_ids=ids, num_taps=args.num_taps,
-                                  intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id)
-        method = DFlashMethod(dcfg, args.block_size, args.num_anchors, cfg.decay)
+        if args.init:
+            import dataclasses
+
+            from specjax.drafter.loader import load_drafter
+
+            dcfg, w = load_drafter(args.init, target.config)
+            if dcfg.draft_vocab_size:
+                draft_ids = [int(i) for i in w.draft_ids]
+            cfg = dataclasses.replace(cfg, block_size=dcfg.block_size)
+        else:
+            dcfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block_size,
+                                      target_layer_ids=ids, num_taps=args.num_taps,
+                                      intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
+                                      slot_embedding=args.slot_embedding,
+                                      draft_vocab_size=0 if draft_ids is None else len(draft_ids))
+        method = DFlashMethod(dcfg, cfg.block_size, args.num_anchors, cfg.decay,
+                              draft_ids=None if draft_ids is None else tuple(int(i) for i in draft_ids))
     else:
         from specjax.drafter.eagle3_loader import eagle3_config_for
-        from specjax.train.eagle3_objective import draft_vocab_from_counts
 
-        counts = np.zeros(target.config.vocab_size, np.int64)
-        for rec, toks in store.sequences():
-            counts += np.bincount(toks[rec["prompt_len"]:], minlength=target.config.vocab_size)
-        size = min(args.draft_vocab_size, target.config.vocab_size)
-        draft_ids = draft_vocab_from_counts(counts, size)
-        coverage = counts[draft_ids].sum() / max(1, counts.sum())
-        print(f"draft vocabulary: {size} tokens covering {100 * coverage:.2f}% of response tokens", file=sys.stderr)
-        ecfg = eagle3_config_for(target.config, draft_vocab_size=size, aux_ids=ids,
+        if args.init:
+            raise SystemExit("error: --init is for DFlash drafters (EAGLE-3 runs resume with --resume)")
+        if draft_ids is None:
+            import numpy as np
+
+            draft_ids = np.arange(vocab)
+        ecfg = eagle3_config_for(target.config, draft_vocab_size=len(draft_ids), aux_ids=ids,
                                  intermediate_size=args.intermediate_size)
         method = Eagle3Method(ecfg, tuple(int(i) for i in draft_ids), target.config.num_layers, args.ttt_steps,
                               args.num_draft_tokens)
+    if draft_ids is not None:
+        measured = draft_vocabulary(store, vocab, len(draft_ids))[1] if args.init else coverage
+        print(f"draft vocabulary: {len(draft_ids)} tokens covering {100 * measured:.2f}% of response tokens",
+              file=sys.stderr)
     eval_sets = {}
     if args.eval_prompts > 0 and target.tokenizer is not None:
         for name in args.eval_datasets.split(","):
@@ -134,8 +170,16 @@ def cmd_train_drafter(args) -> int:
         from specjax.train.features import FeatureCache
 
         features = FeatureCache(args.features)
+    heldout = None
+    if args.heldout:
+        if args.method != "dflash":
+            raise SystemExit("error: --heldout (simulated tau) is implemented for DFlash drafters")
+        from specjax.train.simtau import HeldOutSet
+
+        heldout = HeldOutSet(target, TokenStore(args.heldout), method.tap_indices, cfg.block_size, cfg.max_len)
     summary = train_drafter(target, store, args.out, method, cfg, args.resume, eval_sets, args.eval_max_new_tokens,
-                            args.save_dtype, features=features)
+                            args.save_dtype, features=features, init_from=args.init, heldout=heldout,
+                            log_path=args.log)
     print(json.dumps(summary))
     return 0
 
@@ -144,7 +188,8 @@ def register(sub) -> None:
     r = sub.add_parser("regenerate", help="have the target answer training prompts (resumable token store)")
     r.add_argument("--target", default="default")
     r.add_argument("--out", required=True, help="token store directory (resumes if it exists)")
-    r.add_argument("--sources", default="gsm8k_train,mbpp_train,sharegpt")
+    r.add_argument("--sources", default="gsm8k_train,codealpaca,sharegpt,mbpp_train",
+                   help="training sources, or heldout:DATASET for answers to held-out eval prompts")
     r.add_argument("--limits", default=None, help="max prompts per source, comma-separated in --sources order")
     r.add_argument("--data-dir", default=None,
                    help="folder with gsm8k_train.jsonl, mbpp.jsonl (default ../shared/data)")
@@ -179,7 +224,10 @@ def register(sub) -> None:
     t.add_argument("--num-taps", type=int, default=5)
     t.add_argument("--target-layer-ids", default=None,
                    help="DFlash: target layers whose OUTPUT is tapped; EAGLE-3: hidden-state indices (layer inputs)")
-    t.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary (most frequent)")
+    t.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="draft vocabulary: the most frequent response tokens (0 = the whole target vocabulary)")
+    t.add_argument("--slot-embedding", action=argparse.BooleanOptionalAction, default=True,
+                   help="DFlash: learned per-slot input offsets (optional specjax tensor; z-lab checkpoints lack it)")
     t.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time-test unrolled steps")
     t.add_argument("--num-draft-tokens", type=int, default=4, help="EAGLE-3 K used by the tau evaluation")
     t.add_argument("--intermediate-size", type=int, default=None)
@@ -202,6 +250,16 @@ def register(sub) -> None:
     t.add_argument("--data-dir", default=None)
     t.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
     t.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
+    t.add_argument("--init", default=None, help="DFlash: start from this drafter's weights (fresh optimizer), e.g. "
+                   "the shipped one, and append to --log")
+    t.add_argument("--log", default=None, help="learning-curve log (JSON lines, cumulative hours; default "
+                   "OUT/log.jsonl)")
+    t.add_argument("--schedule", default="cosine", choices=["cosine", "constant"])
+    t.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
+    t.add_argument("--max-hours", type=float, default=None, help="stop after this much wall time (saves first)")
+    t.add_argument("--heldout", default=None, help="token store of target answers to held-out prompts: simulated "
+                   "tau every --sim-every steps")
+    t.add_argument("--sim-every", type=int, default=100)
     t.add_argument("--features", default=None, help="feature cache from `specjax cache-features` (default: "
                    "compute target features online, one forward per batch)")
     t.add_argument("--compile-cache", default=DEFAULT_CACHE)

@@ -9,10 +9,19 @@ drafter layer):
 * `propose`  runs the block [bonus, MASK x (Q-1)] at positions s..s+Q-1.  Queries come from the block only;
   keys are the cached context (positions < s) plus the block itself, with no causal mask.  Block K/V are never
   stored, so there is nothing to roll back.  Slot k predicts the token AT position s+k (same-position labels).
+
+Two optional specjax extensions of the z-lab format (absent from z-lab checkpoints, which run unchanged):
+* `slot_embedding` [Q, H], added to the input row of block slot k: every slot knows its offset (without it the
+  MASK slots differ only through RoPE, and a small drafter confuses offsets).
+* `draft_ids` [V_d]: a draft vocabulary (sorted target ids).  Drafts are argmax over those rows of the target's
+  output head only (`draft_head` [H, V_d], cut once from the target head by `with_draft_head`), then mapped
+  back to target ids.  Tokens outside it are never drafted, which costs acceptance only when the target
+  writes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -46,6 +55,30 @@ class DFlashWeights:
     layers: tuple[DrafterLayer, ...]
     norm: jax.Array  # [H]
     mask_embedding: jax.Array | None  # [H] drafter-owned mask embedding, or None (use embed[mask_token_id])
+    slot_embedding: jax.Array | None = None  # [Q, H] added to block slot k's input row, or None
+    draft_ids: jax.Array | None = None  # [V_d] int32 sorted target ids of the draft vocabulary, or None (all)
+    draft_head: jax.Array | None = None  # [H, V_d] those rows of the target head (derived, never saved)
+
+
+def with_draft_head(weights: DFlashWeights, output_head: jax.Array) -> DFlashWeights:
+    """Cut the draft vocabulary's rows out of the target's output head once (no-op without a draft vocabulary)."""
+    if weights.draft_ids is None or weights.draft_head is not None:
+        return weights
+    return dataclasses.replace(weights, draft_head=jnp.take(output_head, weights.draft_ids, axis=1))
+
+
+def output_rows(weights: DFlashWeights, output_head: jax.Array) -> jax.Array:
+    """The head drafts are scored with: the draft vocabulary's rows if any, else the whole target head."""
+    if weights.draft_ids is None:
+        return output_head
+    if weights.draft_head is None:
+        raise ValueError("a drafter with a draft vocabulary needs with_draft_head() before it proposes")
+    return weights.draft_head
+
+
+def to_target_ids(weights: DFlashWeights, idx: jax.Array) -> jax.Array:
+    """Argmax indices over `output_rows` -> target token ids."""
+    return idx if weights.draft_ids is None else weights.draft_ids[idx]
 
 
 def fuse_context(weights: DFlashWeights, cfg: DrafterConfig, taps: jax.Array) -> jax.Array:
@@ -69,14 +102,17 @@ def observe(weights: DFlashWeights, cfg: DrafterConfig, taps: jax.Array, positio
     return KVRows(k=tuple(k for k, _ in rows), v=tuple(v for _, v in rows))
 
 
-def block_embeddings(weights: DFlashWeights, cfg: DrafterConfig, embed: jax.Array, bonus: jax.Array,
+def block_embeddings(weights: DFlashWeights, cfg: DrafterConfig, embed: jax.Array, first: jax.Array,
                      block_size: int) -> jax.Array:
-    """Embeddings of [bonus, MASK x (Q-1)] -> [B, Q, H] (target table; drafter-owned mask row if it has one)."""
-    b = bonus.shape[0]
-    x = embed[jnp.concatenate([bonus[:, None], jnp.full((b, block_size - 1), cfg.mask_token_id, bonus.dtype)], 1)]
+    """Input rows of blocks [first, MASK x (Q-1)]: first [...] -> [..., Q, H] (target table; the drafter-owned
+    mask row and per-slot embeddings if it has them)."""
+    masks = jnp.full(first.shape + (block_size - 1,), cfg.mask_token_id, first.dtype)
+    x = embed[jnp.concatenate([first[..., None], masks], axis=-1)]
     if weights.mask_embedding is not None:
-        is_mask = (jnp.arange(block_size) > 0)[None, :, None]
+        is_mask = (jnp.arange(block_size) > 0)[:, None]
         x = jnp.where(is_mask, weights.mask_embedding.astype(x.dtype), x)
+    if weights.slot_embedding is not None:
+        x = x + weights.slot_embedding[:block_size].astype(x.dtype)
     return x
 
 
@@ -106,10 +142,11 @@ def block_hidden(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, x: ja
 def propose_logits(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array,
                    output_head: jax.Array, bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array,
                    num_draft_tokens: int, block_size: int) -> jax.Array:
-    """Logits [B, K, V] of block slots 1..K through the TARGET's output head.  bonus sits at position
-    context_lens (= s, the number of positions already in the drafter context)."""
+    """Logits [B, K, V_d] of block slots 1..K through the TARGET's output head (its draft-vocabulary rows if the
+    drafter has one: `to_target_ids` maps argmax indices back).  bonus sits at position context_lens (= s, the
+    number of positions already in the drafter context)."""
     block_pos = context_lens[:, None] + jnp.arange(block_size)[None, :]  # [B, Q]
     x = block_embeddings(weights, cfg, embed, bonus, block_size)
     h = block_hidden(weights, cfg, dkv, x, block_pos, context_lens, page_table)
-    return jnp.einsum("bkd,dv->bkv", h[:, 1:1 + num_draft_tokens], output_head,
+    return jnp.einsum("bkd,dv->bkv", h[:, 1:1 + num_draft_tokens], output_rows(weights, output_head),
                       preferred_element_type=jnp.float32)

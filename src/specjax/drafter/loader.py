@@ -2,9 +2,12 @@
 
 Format: `config.json` (Qwen3 geometry + `block_size`, `dflash_config.{mask_token_id,target_layer_ids}`,
 `num_target_layers`) and `model.safetensors` with `fc`, `hidden_norm`, `norm`, `layers.{i}.*` in PyTorch
-[out, in] layout.  No embedding or LM head: both are the target's, shared by reference at call time.  An
-optional `mask_embedding` [H] tensor (flagged by `dflash_config.mask_embedding: true`) replaces the mask row for
-targets that have no spare token id (SmolLM2 uses all 49,152).
+[out, in] layout.  No embedding or LM head: both are the target's, shared by reference at call time.
+Optional specjax tensors, each flagged in `dflash_config` (z-lab checkpoints have none of them):
+  `mask_embedding` [H]       (`mask_embedding: true`) replaces the mask row for targets that have no spare
+                             token id (SmolLM2 uses all 49,152);
+  `slot_embedding` [Q, H]    (`slot_embedding: true`) per-slot offsets added to the block's input rows;
+  `draft_token_ids` [V_d]    (`draft_vocab_size: V_d`) int32, sorted: the target ids drafts are chosen from.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ def drafter_layer_names(i: int) -> dict[str, str]:
 
 
 GLOBAL_NAMES = {"fc": "fc.weight", "hidden_norm": "hidden_norm.weight", "norm": "norm.weight",
-                "mask_embedding": "mask_embedding"}
+                "mask_embedding": "mask_embedding", "slot_embedding": "slot_embedding",
+                "draft_ids": "draft_token_ids"}
 
 
 def canonical_name(name: str) -> str:
@@ -74,16 +78,30 @@ def assemble_drafter(cfg: DrafterConfig, tensors: dict[str, np.ndarray], source:
             w_down=dev(take(n["down"], (h, f)).T),
         ))
     mask_embedding = dev(take(GLOBAL_NAMES["mask_embedding"], (h,))) if cfg.has_mask_embedding else None
+    slot_embedding = dev(take(GLOBAL_NAMES["slot_embedding"], (cfg.block_size, h))) if cfg.has_slot_embedding \
+        else None
+    draft_ids = None
+    if cfg.draft_vocab_size:
+        ids = take(GLOBAL_NAMES["draft_ids"], (cfg.draft_vocab_size,), dtype=np.int64)
+        if not (np.all(np.diff(ids) > 0) and ids[0] >= 0 and ids[-1] < cfg.vocab_size):
+            raise CheckpointError(f"{source}: draft_token_ids must be sorted, distinct target ids in "
+                                  f"[0, {cfg.vocab_size})")
+        draft_ids = jnp.asarray(ids, jnp.int32)
     weights = DFlashWeights(
         fc=dev(take(GLOBAL_NAMES["fc"], (h, cfg.num_taps * cfg.target_hidden_size)).T),
         hidden_norm=dev(take(GLOBAL_NAMES["hidden_norm"], (h,))),
         layers=tuple(layers),
         norm=dev(take(GLOBAL_NAMES["norm"], (h,))),
         mask_embedding=mask_embedding,
+        slot_embedding=slot_embedding,
+        draft_ids=draft_ids,
     )
     unexpected = reader.unexpected()
     if unexpected:
-        hint = " (set dflash_config.mask_embedding: true to use it)" if "mask_embedding" in unexpected else ""
+        flags = {"mask_embedding": "mask_embedding: true", "slot_embedding": "slot_embedding: true",
+                 "draft_token_ids": "draft_vocab_size: N"}
+        named = [flags[u] for u in unexpected if u in flags]
+        hint = f" (set dflash_config {', '.join(named)} to use them)" if named else ""
         raise CheckpointError(f"{source}: unexpected drafter tensors {unexpected[:8]}{hint}")
     return weights
 
@@ -94,6 +112,8 @@ def drafter_state_dict(cfg: DrafterConfig, weights: DFlashWeights) -> dict[str, 
            GLOBAL_NAMES["norm"]: np.asarray(weights.norm)}
     if weights.mask_embedding is not None:
         out[GLOBAL_NAMES["mask_embedding"]] = np.asarray(weights.mask_embedding)
+    if weights.slot_embedding is not None:
+        out[GLOBAL_NAMES["slot_embedding"]] = np.asarray(weights.slot_embedding)
     kvs = cfg.num_kv_heads * cfg.head_dim
     for i, layer in enumerate(weights.layers):
         n = drafter_layer_names(i)
@@ -105,7 +125,10 @@ def drafter_state_dict(cfg: DrafterConfig, weights: DFlashWeights) -> dict[str, 
             n["q_norm"]: np.asarray(layer.q_norm), n["k_norm"]: np.asarray(layer.k_norm),
             n["gate"]: gate, n["up"]: up, n["down"]: np.asarray(layer.w_down).T,
         })
-    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+    out = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+    if weights.draft_ids is not None:
+        out[GLOBAL_NAMES["draft_ids"]] = np.ascontiguousarray(weights.draft_ids, dtype=np.int32)
+    return out
 
 
 def cast_for_save(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
@@ -137,7 +160,8 @@ def save_drafter(path: str, cfg: DrafterConfig, weights: DFlashWeights, dtype: s
 def drafter_config_for(target: ModelConfig, num_layers: int = 1, block_size: int = 16,
                        target_layer_ids: tuple[int, ...] | None = None, num_taps: int = 5,
                        intermediate_size: int | None = None, mask_token_id: int | None = None,
-                       mask_embedding: bool | None = None) -> DrafterConfig:
+                       mask_embedding: bool | None = None, slot_embedding: bool = False,
+                       draft_vocab_size: int = 0) -> DrafterConfig:
     """A drafter geometry matching `target` (Qwen3-style heads; head_dim and RoPE taken from the target)."""
     ids = target_layer_ids or default_target_layer_ids(target.num_layers, min(num_taps, target.num_layers))
     if mask_embedding is None:
@@ -152,7 +176,7 @@ def drafter_config_for(target: ModelConfig, num_layers: int = 1, block_size: int
         rope=RopeConfig(theta=target.rope.theta, scaling_type=target.rope.scaling_type, factor=target.rope.factor,
                         low_freq_factor=target.rope.low_freq_factor, high_freq_factor=target.rope.high_freq_factor,
                         original_max_position=target.rope.original_max_position),
-        has_mask_embedding=mask_embedding,
+        has_mask_embedding=mask_embedding, has_slot_embedding=slot_embedding, draft_vocab_size=draft_vocab_size,
     )
 
 
@@ -160,7 +184,7 @@ def init_drafter(cfg: DrafterConfig, key: jax.Array, std: float = 0.02, dtype=jn
     """Random drafter (normal(0, std) matrices, unit norms): a valid drafter for lossless tests and training."""
     h, dh, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     qs, kvs = cfg.num_heads * dh, cfg.num_kv_heads * dh
-    keys = iter(jax.random.split(key, 6 * cfg.num_layers + 2))
+    keys = iter(jax.random.split(key, 6 * cfg.num_layers + 3))
     normal = lambda shape: (std * jax.random.normal(next(keys), shape)).astype(dtype)  # noqa: E731
     ones = lambda n: jnp.ones((n,), dtype)  # noqa: E731
     layers = tuple(DrafterLayer(
@@ -168,7 +192,8 @@ def init_drafter(cfg: DrafterConfig, key: jax.Array, std: float = 0.02, dtype=jn
         w_o=normal((qs, h)), mlp_norm=ones(h), w_gate_up=normal((h, 2 * f)), w_down=normal((f, h)),
     ) for _ in range(cfg.num_layers))
     return DFlashWeights(fc=normal((cfg.num_taps * cfg.target_hidden_size, h)), hidden_norm=ones(h), layers=layers,
-                         norm=ones(h), mask_embedding=normal((h,)) if cfg.has_mask_embedding else None)
+                         norm=ones(h), mask_embedding=normal((h,)) if cfg.has_mask_embedding else None,
+                         slot_embedding=normal((cfg.block_size, h)) if cfg.has_slot_embedding else None)
 
 
 def is_drafter_dir(path: str) -> bool:

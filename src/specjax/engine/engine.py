@@ -50,7 +50,8 @@ class LLMEngine:
                  record_drafts: bool = False):
         self.tcfg, self.tweights = tcfg, tweights
         self.proposer = proposer or NoProposer()
-        self.pweights = pweights
+        prepare = getattr(self.proposer, "prepare", None)
+        self.pweights = prepare(pweights, tweights) if prepare is not None else pweights
         self.config = config = config or EngineConfig()
         if config.max_model_len > tcfg.max_position_embeddings:
             raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's "

@@ -13,6 +13,8 @@ functions) whose methods are pure functions of (params, state, inputs):
   verification; rejected and padding rows get slot -1 and are never written).  None = nothing to write.
 * `propose(params, state, target, bonus, start, page_table, num_draft)`  -> int32 drafts [B, num_draft]
   for the tokens after `bonus` (which sits at position `start`).
+* `prepare(params, target)` (optional)  called once by the engine: derived, read-only params (e.g. the draft
+  vocabulary's head rows).
 * Host proposers (n-gram) set `on_device = False` and implement `host_propose(token_ids, k)` instead.
 """
 
@@ -79,7 +81,11 @@ class DFlashProposer:
     def propose(self, params, state, target, bonus, start, page_table, num_draft):
         logits = dflash.propose_logits(params, self.cfg, state, target.embed, target.output_head, bonus, start,
                                        page_table, num_draft, self.block_size)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return dflash.to_target_ids(params, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+    def prepare(self, params, target):
+        """Once per engine: cut the draft vocabulary's head rows (if any) out of the target head."""
+        return dflash.with_draft_head(params, target.output_head)
 
 
 

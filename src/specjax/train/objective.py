@@ -6,10 +6,10 @@ context strictly before its anchor (the anchor's own hidden state does not exist
 own Q tokens bidirectionally, nothing of other blocks.  Slot k (1..Q-1) predicts x[a_j + k] (same position)
 through the target's frozen LM head, weighted by keep_j * [a_j + k < len] * m[a_j + k] * exp(-(k - 1) / gamma).
 
-The attention is the SAME function the inference path uses (`cached_and_new_attention`): context K/V play the
-role of the cache with a per-query visibility (s < a_j), and the blocks are the step's own rows with a
-block-diagonal visibility.  Tests check block logits against the inference drafter run with exactly the rows
-before each anchor as context.
+The attention is the inference softmax (`cached_and_new_attention`: context rows with a per-block visibility
+s < a_j, plus the block's own rows) computed block-locally: N blocks never attend to each other, so no
+(N*Q)^2 score matrix is formed and anchors can sit at every response position.  Tests check block logits
+against the inference drafter run with exactly the rows before each anchor as context.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import DrafterConfig
-from specjax.drafter.dflash import DFlashWeights, fuse_context, layer_kv
-from specjax.model.attention import cached_and_new_attention
-from specjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from specjax.drafter.dflash import DFlashWeights, block_embeddings, fuse_context, layer_kv
+from specjax.model.layers import MASK_VALUE, apply_rope, rms_norm, rope_cos_sin, swiglu
 
 
 def sample_anchors(rng: np.random.Generator, loss_mask: np.ndarray, lengths: np.ndarray, num_anchors: int,
@@ -43,38 +42,58 @@ def sample_anchors(rng: np.random.Generator, loss_mask: np.ndarray, lengths: np.
     return anchors, keep
 
 
+def block_local_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk, scale):
+    """Attention of N independent blocks over one shared context, each block also over its own Q rows only.
+
+    q [Bt, N, Q, Hq, D]; k_ctx, v_ctx [Bt, S, K, D]; ctx_visible [Bt, N, S] (block j sees s < a_j);
+    k_blk, v_blk [Bt, N, Q, K, D] (bidirectional inside a block).  -> [Bt, N, Q, Hq, D].  The same softmax as
+    `cached_and_new_attention` with a block-diagonal visibility, without forming the (N*Q)^2 score matrix.
+    """
+    bt, n, qn, hq, d = q.shape
+    kv = k_ctx.shape[2]
+    g = hq // kv
+    qq = q.reshape(bt, n, qn, kv, g, d)
+    s_ctx = jnp.einsum("bnqkgd,bskd->bkngqs", qq, k_ctx, preferred_element_type=jnp.float32) * scale
+    s_ctx = jnp.where(ctx_visible[:, None, :, None, None, :], s_ctx, MASK_VALUE)
+    s_blk = jnp.einsum("bnqkgd,bnpkd->bkngqp", qq, k_blk, preferred_element_type=jnp.float32) * scale
+    m = jnp.maximum(s_ctx.max(-1, keepdims=True), s_blk.max(-1, keepdims=True))
+    p_ctx, p_blk = jnp.exp(s_ctx - m), jnp.exp(s_blk - m)
+    denom = p_ctx.sum(-1, keepdims=True) + p_blk.sum(-1, keepdims=True)
+    out = (jnp.einsum("bkngqs,bskd->bkngqd", p_ctx.astype(v_ctx.dtype), v_ctx)
+           + jnp.einsum("bkngqp,bnpkd->bkngqd", p_blk.astype(v_blk.dtype), v_blk)) / denom.astype(v_blk.dtype)
+    return out.transpose(0, 2, 4, 1, 3, 5).reshape(bt, n, qn, hq, d)
+
+
 def block_logits(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, tokens, taps, anchors, keep,
                  block_size: int):
-    """Training forward: tokens [Bt, S], taps [Bt, S, F*Ht], anchors/keep [Bt, N] -> logits [Bt, N, Q-1, V]."""
+    """Training forward: tokens [Bt, S], taps [Bt, S, F*Ht], anchors/keep [Bt, N] -> logits [Bt, N, Q-1, V].
+
+    `output_head` [H, V] is the target head or its draft-vocabulary rows (then V = V_d).  Padding blocks
+    (keep = False) are computed like the others and weighted 0 by the loss.
+    """
+    del keep  # blocks never see each other, so a padding block cannot disturb a real one
     bt, s = tokens.shape
     n = anchors.shape[1]
-    q_len = n * block_size
-    block_pos = (anchors[:, :, None] + jnp.arange(block_size)[None, None, :]).reshape(bt, q_len)  # [Bt, N*Q]
-    first = jnp.take_along_axis(tokens, anchors, axis=1)  # [Bt, N]
-    ids = jnp.concatenate([first[..., None], jnp.full((bt, n, block_size - 1), cfg.mask_token_id, tokens.dtype)],
-                          axis=-1).reshape(bt, q_len)
-    x = embed[ids]
-    if weights.mask_embedding is not None:
-        is_mask = (jnp.arange(q_len) % block_size > 0)[None, :, None]
-        x = jnp.where(is_mask, weights.mask_embedding.astype(x.dtype), x)
+    block_pos = anchors[:, :, None] + jnp.arange(block_size)[None, None, :]  # [Bt, N, Q]
+    x = block_embeddings(weights, cfg, embed, jnp.take_along_axis(tokens, anchors, axis=1), block_size)
     ctx = fuse_context(weights, cfg, taps)  # [Bt, S, H]
     inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim))
     ctx_cos, ctx_sin = rope_cos_sin(jnp.broadcast_to(jnp.arange(s)[None], (bt, s)), inv_freq)
-    cos, sin = rope_cos_sin(block_pos, inv_freq)
-    query_anchor = jnp.repeat(anchors, block_size, axis=1)  # [Bt, N*Q]
-    ctx_visible = jnp.arange(s)[None, None, :] < query_anchor[:, :, None]  # strictly before the anchor
-    block_id = jnp.arange(q_len) // block_size
-    same_block = (block_id[:, None] == block_id[None, :])[None] & jnp.repeat(keep, block_size, axis=1)[:, None, :]
+    cos, sin = rope_cos_sin(block_pos.reshape(bt, n * block_size), inv_freq)
+    ctx_visible = jnp.arange(s)[None, None, :] < anchors[:, :, None]  # [Bt, N, S]: strictly before the anchor
+    x = x.reshape(bt, n * block_size, -1)
     for layer in weights.layers:
         kc, vc = layer_kv(layer, cfg, ctx, ctx_cos, ctx_sin)  # [Bt, S, K, Dh]
         xn = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        q = rms_norm((xn @ layer.w_q).reshape(bt, q_len, cfg.num_heads, cfg.head_dim), layer.q_norm,
+        q = rms_norm((xn @ layer.w_q).reshape(bt, n * block_size, cfg.num_heads, cfg.head_dim), layer.q_norm,
                      cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
-        kb, vb = layer_kv(layer, cfg, xn, cos, sin)
-        o = cached_and_new_attention(q, kc.transpose(2, 0, 1, 3), vc.transpose(2, 0, 1, 3), ctx_visible, kb, vb,
-                                     same_block, cfg.head_dim ** -0.5)
-        x = x + o.reshape(bt, q_len, -1) @ layer.w_o
+        kb, vb = layer_kv(layer, cfg, xn, cos, sin)  # [Bt, N*Q, K, Dh]
+        blocks = (bt, n, block_size)
+        o = block_local_attention(q.reshape(*blocks, *q.shape[2:]), kc, vc, ctx_visible,
+                                  kb.reshape(*blocks, *kb.shape[2:]), vb.reshape(*blocks, *vb.shape[2:]),
+                                  cfg.head_dim ** -0.5)
+        x = x + o.reshape(bt, n * block_size, -1) @ layer.w_o
         x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
     h = rms_norm(x, weights.norm, cfg.rms_norm_eps).reshape(bt, n, block_size, -1)[:, :, 1:]  # slots 1..Q-1
     return jnp.einsum("bnkd,dv->bnkv", h, output_head, preferred_element_type=jnp.float32)
@@ -94,16 +113,38 @@ def labels_and_weights(tokens, loss_mask, lengths, anchors, keep, block_size: in
 
 
 def dflash_loss(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, tokens, taps, loss_mask, lengths,
-                anchors, keep, block_size: int, gamma: float):
-    """Weighted cross-entropy (sum w * CE / sum w) and unweighted accuracy / per-slot accuracy over the mask."""
+                anchors, keep, block_size: int, gamma: float, t2d=None):
+    """Weighted cross-entropy (sum w * CE / sum w) and unweighted accuracy / per-slot accuracy over the mask.
+
+    With a draft vocabulary, `output_head` holds its rows [H, V_d] and `t2d` [V] maps target ids to draft
+    indices (-1 outside): labels outside the draft vocabulary get no loss and count as misses in the accuracy.
+    """
     logits = block_logits(weights, cfg, embed, output_head, tokens, taps, anchors, keep, block_size)
     labels, w = labels_and_weights(tokens, loss_mask, lengths, anchors, keep, block_size, gamma)
+    valid = (w > 0).astype(jnp.float32)
+    if t2d is not None:
+        labels = t2d[labels]
+        w = jnp.where(labels >= 0, w, 0.0)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    target = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
     ce = logz - target
     loss = (w * ce).sum() / (w.sum() + 1e-6)
-    valid = (w > 0).astype(jnp.float32)
     correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * valid
     per_slot = correct.sum((0, 1)) / jnp.maximum(valid.sum((0, 1)), 1.0)
     return loss, {"acc": correct.sum() / jnp.maximum(valid.sum(), 1.0), "acc_per_slot": per_slot,
                   "num_labels": valid.sum()}
+
+
+def simulated_acceptance(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, tokens, taps, loss_mask,
+                         lengths, anchors, keep, block_size: int, t2d=None):
+    """Teacher-forced speculative acceptance: for each anchor, the number of leading slots whose argmax equals
+    the target's own next tokens (greedy answers), i.e. what verification would accept with a block drafted
+    from the true context.  -> (accepted [Bt, N] int32, counted [Bt, N] bool: anchors with a full block inside
+    the response)."""
+    logits = block_logits(weights, cfg, embed, output_head, tokens, taps, anchors, keep, block_size)
+    labels, w = labels_and_weights(tokens, loss_mask, lengths, anchors, keep, block_size, 1.0)
+    if t2d is not None:
+        labels = t2d[labels]
+    hit = (jnp.argmax(logits, -1) == labels) & (w > 0)
+    accepted = jnp.cumprod(hit.astype(jnp.int32), axis=-1).sum(-1)
+    return accepted, (w > 0).all(-1)

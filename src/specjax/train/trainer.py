@@ -25,7 +25,7 @@ from specjax.config import DrafterConfig, EngineConfig, ModelConfig
 from specjax.drafter.eagle3 import Eagle3Config
 from specjax.drafter.loader import load_drafter, save_drafter
 from specjax.model import target as tgt
-from specjax.train.objective import dflash_loss, sample_anchors
+from specjax.train.objective import dflash_loss, sample_anchors, simulated_acceptance
 from specjax.train.store import TokenStore
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,10 @@ class TrainConfig:
     save_every: int = 200
     eval_every: int = 500
     log_every: int = 10
+    schedule: str = "cosine"  # "cosine" (to 0 at `steps`) or "constant" (warm-up, then flat: for open-ended runs)
+    optimizer: str = "adamw"  # "adamw" or "muon" (Newton-Schulz on matrices, AdamW on vectors)
+    max_hours: float | None = None  # stop (and save) after this much wall time: equal-time A/Bs, long runs
+    sim_every: int = 100  # simulated tau on the held-out store every this many steps (0 = never)
 
     @property
     def decay(self) -> float:
@@ -139,21 +143,35 @@ def scale_fc_init(fc: jax.Array, tap_rms: jax.Array) -> jax.Array:
 
 
 def make_optimizer(cfg: TrainConfig):
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(1, int(cfg.warmup_ratio * cfg.steps)),
-                                                  max(2, cfg.steps), end_value=0.0)
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)), schedule
+    warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
+    if cfg.schedule == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(2, cfg.steps), end_value=0.0)
+    elif cfg.schedule == "constant":
+        schedule = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)],
+                                        [warmup])
+    else:
+        raise ValueError(f"unknown schedule {cfg.schedule!r} (cosine, constant)")
+    if cfg.optimizer == "adamw":
+        opt = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
+    elif cfg.optimizer == "muon":
+        opt = optax.contrib.muon(schedule, weight_decay=cfg.weight_decay, adam_b2=0.95,
+                                 adam_learning_rate=lambda step: schedule(step) / 10)
+    else:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r} (adamw, muon)")
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt), schedule
 
 
 @dataclass(frozen=True)
 class DFlashMethod:
-    """DFlash objective: anchored blocks, same-position labels, exp(-(k-1)/gamma) decay."""
+    """DFlash objective: anchored blocks, same-position labels, exp(-(k-1)/gamma) decay; optionally over a draft
+    vocabulary (`draft_ids`, sorted target ids: the loss and the drafts use only those rows of the head)."""
 
     dcfg: DrafterConfig
     block_size: int
     num_anchors: int
     gamma: float
     name: str = "dflash"
+    draft_ids: tuple[int, ...] | None = None
 
     @property
     def tap_indices(self):
@@ -167,10 +185,20 @@ class DFlashMethod:
             params = dataclasses.replace(params, fc=scale_fc_init(params.fc, tap_rms))
         if params.mask_embedding is not None:  # start the learned mask at the typical embedding, not at noise
             params = dataclasses.replace(params, mask_embedding=jnp.mean(target.weights.embed, axis=0))
+        if params.slot_embedding is not None:  # offsets at half the typical embedding norm: distinct from step 0
+            rms = jnp.sqrt(jnp.mean(target.weights.embed ** 2))
+            params = dataclasses.replace(params, slot_embedding=0.5 * rms * jax.random.normal(
+                jax.random.fold_in(key, 1), params.slot_embedding.shape, params.slot_embedding.dtype))
         return params
 
     def constants(self, target):
-        return (target.weights.embed, target.weights.output_head)
+        head = target.weights.output_head
+        if self.draft_ids is None:
+            return (target.weights.embed, head, None)
+        ids = np.asarray(self.draft_ids)
+        t2d = -np.ones(self.dcfg.vocab_size, np.int32)
+        t2d[ids] = np.arange(len(ids))
+        return (target.weights.embed, jnp.take(head, jnp.asarray(ids), axis=1), jnp.asarray(t2d))
 
     def host_inputs(self, step_seed, mask, lengths):
         anchors, keep = sample_anchors(np.random.default_rng(step_seed), mask, lengths, self.num_anchors,
@@ -178,20 +206,32 @@ class DFlashMethod:
         return (jnp.asarray(anchors), jnp.asarray(keep))
 
     def loss(self, params, consts, tokens, taps, mask, lengths, extra):
-        embed, head = consts
+        embed, head, t2d = consts
         return dflash_loss(params, self.dcfg, embed, head, tokens, taps, mask, lengths, *extra, self.block_size,
-                           self.gamma)
+                           self.gamma, t2d)
+
+    def simulate(self, params, consts, tokens, taps, mask, lengths, anchors, keep):
+        embed, head, t2d = consts
+        return simulated_acceptance(params, self.dcfg, embed, head, tokens, taps, mask, lengths, anchors, keep,
+                                    self.block_size, t2d)
+
+    def full(self, params):
+        """Trainable params -> a complete drafter (the draft vocabulary attached)."""
+        if self.draft_ids is None:
+            return params
+        return dataclasses.replace(params, draft_ids=jnp.asarray(self.draft_ids, jnp.int32))
 
     def save(self, path, params, dtype="float32"):
-        save_drafter(path, self.dcfg, params, dtype=dtype)
+        save_drafter(path, self.dcfg, self.full(params), dtype=dtype)
 
     def load(self, path, tcfg):
-        return load_drafter(path, tcfg)[1]
+        return dataclasses.replace(load_drafter(path, tcfg)[1], draft_ids=None)
 
     def evaluate(self, target, params, prompts, max_new_tokens):
         from specjax.spec.proposer import DFlashProposer
 
-        return evaluate_tau(target, DFlashProposer(self.dcfg, self.block_size), params, prompts, max_new_tokens)
+        return evaluate_tau(target, DFlashProposer(self.dcfg, self.block_size), self.full(params), prompts,
+                            max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -341,12 +381,30 @@ def plot_curves(log_path: str, png_path: str) -> None:
     plt.close(fig)
 
 
+def last_hours(log_path: str) -> float:
+    """Cumulative training hours recorded in a learning-curve log (0 if none): resumed runs continue from it."""
+    hours = 0.0
+    if os.path.exists(log_path):
+        with open(log_path) as fh:
+            for line in fh:
+                try:
+                    hours = max(hours, float(json.loads(line).get("hours", 0.0)))
+                except (json.JSONDecodeError, AttributeError):
+                    continue
+    return hours
+
+
 def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainConfig, resume: bool,
                   eval_sets: dict[str, list[list[int]]], eval_max_new_tokens: int = 96, save_dtype: str = "float32",
-                  show_progress: bool = True, features=None) -> dict:
+                  show_progress: bool = True, features=None, init_from: str | None = None, heldout=None,
+                  log_path: str | None = None) -> dict:
     """Train (or resume) a drafter for `target`; writes out_dir/{drafter,checkpoint,log.jsonl,curve.png}.
 
     `features`: an optional FeatureCache over `store` holding the method's taps (checked before training).
+    `init_from`: start from this drafter checkpoint's weights (fresh optimizer state) instead of a random init.
+    `heldout`: a HeldOutSet for simulated tau every `cfg.sim_every` steps.  `log_path`: the learning-curve log
+    (default out_dir/log.jsonl); it is appended to when resuming or starting from `init_from`, with cumulative
+    wall-clock hours, so one curve spans many runs.
     """
     from tqdm import tqdm
 
@@ -356,24 +414,41 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     tcfg = target.config
     if features is not None:
         features.check(store, method.tap_indices, tcfg.hidden_size, cfg.max_len)
-    tap_rms = tap_statistics(target, batches, method.tap_indices, cache=features)
-    params = method.init_params(jax.random.PRNGKey(cfg.seed), target, tap_rms)
+    tap_rms = None if init_from else tap_statistics(target, batches, method.tap_indices, cache=features)
+    params = method.load(init_from, tcfg) if init_from else method.init_params(jax.random.PRNGKey(cfg.seed), target,
+                                                                                tap_rms)
     opt_state = optimizer.init(params)
     step0 = 0
-    log_path = os.path.join(out_dir, "log.jsonl")
+    log_path = log_path or os.path.join(out_dir, "log.jsonl")
     if resume and os.path.isdir(os.path.join(out_dir, "checkpoint")):
         params, opt_state, step0 = load_checkpoint(out_dir, method, tcfg, opt_state)
         log.info("resumed from step %d", step0)
-    elif os.path.exists(log_path):
+    elif os.path.exists(log_path) and not init_from:
         os.remove(log_path)
+    hours0 = last_hours(log_path)
     with open(os.path.join(out_dir, "train_config.json"), "w") as fh:
         json.dump({"method": method.name, "train": dataclasses.asdict(cfg), "data": store.path,
-                   "features": features.path if features is not None else "online",
+                   "features": features.path if features is not None else "online", "init_from": init_from,
                    "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens}, fh, indent=1)
     consts = method.constants(target)
     bar = tqdm(total=cfg.steps, initial=step0, unit="step", dynamic_ncols=True, disable=not show_progress)
     t_start, tokens_seen = time.perf_counter(), 0
     summary = {}
+
+    def write(row):
+        with open(log_path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def simulate(step):
+        sim = heldout.evaluate(method, params, consts)
+        write({"step": step, "hours": hours0 + (time.perf_counter() - t_start) / 3600, "sim": sim})
+        bar.write(f"step {step}: simulated tau(K={len(sim['all']['tau'])}) = {sim['all']['tau'][-1]:.3f}, "
+                  f"tau(3) = {sim['all']['tau'][min(2, len(sim['all']['tau']) - 1)]:.3f}")
+        summary["sim"] = sim
+
+    if heldout is not None and cfg.sim_every and step0 == 0:
+        simulate(0)
+    step = step0
     for step in range(step0, cfg.steps):
         tokens, mask, lengths, epoch, idx = batches.batch(step)
         extra = method.host_inputs((cfg.seed, step), mask, lengths)
@@ -382,30 +457,34 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
             params, opt_state, consts, jnp.asarray(tokens), taps, jnp.asarray(mask), jnp.asarray(lengths), extra,
             method=method, optimizer=optimizer)
         tokens_seen += int(lengths.sum())
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        elapsed = time.perf_counter() - t_start
+        out_of_time = cfg.max_hours is not None and elapsed >= cfg.max_hours * 3600
+        last = step + 1 == cfg.steps or out_of_time
+        if (step + 1) % cfg.log_every == 0 or last:
             loss_v, acc_v = float(loss), float(aux["acc"])
-            elapsed = time.perf_counter() - t_start
             row = {"step": step + 1, "epoch": epoch, "loss": loss_v, "acc": acc_v, "grad_norm": float(gnorm),
                    "lr": float(schedule(step)), "acc_per_slot": [round(float(a), 4) for a in aux["acc_per_slot"]],
-                   "tokens_per_s": tokens_seen / elapsed, "elapsed_s": elapsed}
-            with open(log_path, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+                   "tokens_per_s": tokens_seen / elapsed, "elapsed_s": elapsed, "hours": hours0 + elapsed / 3600}
+            write(row)
             bar.set_postfix(loss=f"{loss_v:.3f}", acc=f"{acc_v:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
         bar.update(1)
-        last = step + 1 == cfg.steps
         if (step + 1) % cfg.save_every == 0 or last:
             save_checkpoint(out_dir, step + 1, method, params, opt_state, cfg)
+        if heldout is not None and cfg.sim_every and ((step + 1) % cfg.sim_every == 0 or last):
+            simulate(step + 1)
         if eval_sets and ((step + 1) % cfg.eval_every == 0 or last):
             ev = {name: method.evaluate(target, params, prompts, eval_max_new_tokens)
                   for name, prompts in eval_sets.items()}
-            with open(log_path, "a") as fh:
-                fh.write(json.dumps({"step": step + 1, "eval": ev}) + "\n")
+            write({"step": step + 1, "hours": hours0 + (time.perf_counter() - t_start) / 3600, "eval": ev})
             bar.write(f"step {step + 1}: " + ", ".join(f"tau[{k}]={v['tau']:.2f}" for k, v in ev.items()))
             summary["eval"] = ev
             plot_curves(log_path, os.path.join(out_dir, "curve.png"))
+        if out_of_time:
+            bar.write(f"stopping at step {step + 1}: --max-hours {cfg.max_hours} reached")
+            break
     bar.close()
     method.save(os.path.join(out_dir, "drafter"), params, dtype=save_dtype)
     plot_curves(log_path, os.path.join(out_dir, "curve.png"))
-    summary.update({"steps": cfg.steps, "wall_s": time.perf_counter() - t_start, "tokens_seen": tokens_seen,
+    summary.update({"steps": step + 1, "wall_s": time.perf_counter() - t_start, "tokens_seen": tokens_seen,
                     "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens})
     return summary

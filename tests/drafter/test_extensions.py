@@ -1,0 +1,79 @@
+"""specjax's optional DFlash tensors (per-slot embeddings, draft vocabulary): checkpoint round trip, clear errors,
+and lossless speculative decoding with a drafter that can only draft part of the vocabulary."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from specjax.config import EngineConfig
+from specjax.drafter.loader import drafter_config_for, init_drafter, load_drafter, save_drafter
+from specjax.engine.engine import LLMEngine
+from specjax.model.loader import CheckpointError, load_model
+from specjax.sampling import SamplingParams
+from specjax.spec.proposer import DFlashProposer, NoProposer
+from tests.helpers import random_prompt
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dirs):
+    target = load_model(tiny_dirs["qwen3"])
+    ids = np.sort(np.random.default_rng(0).choice(target.config.vocab_size, 64, replace=False))
+    cfg = drafter_config_for(target.config, num_layers=2, block_size=8, target_layer_ids=(0, 2), mask_token_id=299,
+                             mask_embedding=False, slot_embedding=True, draft_vocab_size=len(ids))
+    weights = dataclasses.replace(init_drafter(cfg, jax.random.PRNGKey(3), std=0.1),
+                                  draft_ids=jnp.asarray(ids, jnp.int32))
+    return target, cfg, weights, ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_keeps_both_extensions(setup, tmp_path, dtype):
+    target, cfg, weights, ids = setup
+    save_drafter(str(tmp_path / "d"), cfg, weights, dtype=dtype)
+    meta = json.loads((tmp_path / "d" / "config.json").read_text())["dflash_config"]
+    assert meta["slot_embedding"] is True and meta["draft_vocab_size"] == 64
+    cfg2, w2 = load_drafter(str(tmp_path / "d"), target.config)
+    assert cfg2 == cfg
+    np.testing.assert_array_equal(np.asarray(w2.draft_ids), ids)  # integer ids stay exact in bfloat16 files
+    tol = 0 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(np.asarray(w2.slot_embedding), np.asarray(weights.slot_embedding), atol=tol, rtol=tol)
+
+
+def test_extension_tensors_without_their_flags_or_malformed_are_named(setup, tmp_path):
+    target, cfg, weights, _ = setup
+    d = str(tmp_path / "d")
+    save_drafter(d, cfg, weights)
+    config = json.loads(open(os.path.join(d, "config.json")).read())
+    plain = {**config, "dflash_config": {k: v for k, v in config["dflash_config"].items()
+                                          if k not in ("slot_embedding", "draft_vocab_size")}}
+    with open(os.path.join(d, "config.json"), "w") as fh:
+        json.dump(plain, fh)
+    with pytest.raises(CheckpointError, match="draft_vocab_size: N, slot_embedding: true"):
+        load_drafter(d, target.config)
+    with open(os.path.join(d, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    tensors["draft_token_ids"] = tensors["draft_token_ids"][::-1].copy()
+    save_file(tensors, os.path.join(d, "model.safetensors"))
+    with pytest.raises(CheckpointError, match="draft_token_ids must be sorted"):
+        load_drafter(d, target.config)
+
+
+def test_draft_vocabulary_drafter_is_lossless_and_drafts_only_its_ids(setup):
+    target, cfg, weights, ids = setup
+    rng = np.random.default_rng(5)
+    prompts = [random_prompt(rng, n) for n in (3, 17, 30)]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    config = EngineConfig(page_size=4, max_model_len=96, max_num_seqs=4)
+    plain = LLMEngine(target.config, target.weights, NoProposer(), None, config).generate(prompts, params)
+    engine = LLMEngine(target.config, target.weights, DFlashProposer(cfg, 8), weights, config, record_drafts=True)
+    spec = engine.generate(prompts, params)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    assert engine.allocator.num_used == 0
+    drafted = {int(t) for s in spec for d in s.stats.draft_log for t in d}
+    assert drafted and drafted <= set(int(i) for i in ids)
