@@ -71,3 +71,45 @@ class HeldOutSet:
             tau = [float(np.mean(1 + np.minimum(acc, k))) if len(acc) else 0.0 for k in ks]
             out[source] = {"tau": [round(t, 4) for t in tau], "anchors": int(len(acc))}
         return out
+
+
+def read_sim_curve(log_path: str) -> list[tuple[float, dict]]:
+    """(cumulative hours, sim dict) for every simulated-tau row of a learning-curve log, in order."""
+    import json
+
+    rows = []
+    with open(log_path) as fh:
+        for line in fh:
+            row = json.loads(line)
+            if "sim" in row:
+                rows.append((float(row.get("hours", 0.0)), row["sim"]))
+    return rows
+
+
+def plot_sim_curves(logs: dict[str, str], png_path: str, title: str = "", ks: tuple[int, ...] = (3, 7)) -> None:
+    """Simulated tau against wall-clock hours, one line per (run, K), one panel per held-out source."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {label: read_sim_curve(path) for label, path in logs.items()}
+    sources = sorted({s for rows in curves.values() for _, sim in rows for s in sim})
+    fig, axes = plt.subplots(1, len(sources), figsize=(3.2 * len(sources), 3.2), squeeze=False, sharey=True)
+    for ax, source in zip(axes[0], sources):
+        for (label, rows), color in zip(curves.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+            for k, style in zip(ks, ("-", "--", ":")):
+                pts = [(h, sim[source]["tau"][min(k, len(sim[source]["tau"])) - 1]) for h, sim in rows
+                       if source in sim]
+                if pts:
+                    ax.plot(*zip(*pts), style, color=color, marker=".", label=f"{label} K={k}")
+        ax.set_title(source, fontsize=9)
+        ax.set_xlabel("training hours (2-core CPU)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("simulated tau (held out)")
+    axes[0][-1].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
