@@ -25,45 +25,62 @@ def _simulate(params, consts, tokens, taps, mask, lengths, anchors, keep, *, met
 
 
 class HeldOutSet:
-    """Held-out sequences of a TokenStore with their target taps computed once (kept on the device)."""
+    """Held-out sequences of a TokenStore with their target taps computed once, padded to one shape (one compile)
+    and evaluated `rows` sequences per call."""
 
     def __init__(self, target, store: TokenStore, tap_indices, block_size: int, max_len: int = 512,
-                 features=None):
+                 features=None, rows: int = 4):
         from specjax.train.trainer import batch_features
 
         self.block_size = block_size
-        self.items = []  # (source, arrays for _simulate)
+        seqs = []
         for index, (rec, toks) in enumerate(store.sequences()):
             toks = toks[:max_len]
-            n = len(toks)
-            valid = np.arange(rec["prompt_len"], max(rec["prompt_len"], n - block_size + 1))
-            if len(valid) == 0:
-                continue
-            width = -(-n // 64) * 64
-            num = -(-len(valid) // 64) * 64
-            tokens = np.zeros((1, width), np.int32)
-            tokens[0, :n] = toks
-            mask = np.zeros((1, width), bool)
-            mask[0, rec["prompt_len"]:n] = True
-            anchors = np.zeros((1, num), np.int32)
-            keep = np.zeros((1, num), bool)
-            anchors[0, :len(valid)] = valid
-            keep[0, :len(valid)] = True
-            taps = batch_features(target, tokens, [index], tap_indices, features)
-            self.items.append((rec["source"], (jnp.asarray(tokens), taps, jnp.asarray(mask),
-                                               jnp.asarray(np.array([n], np.int32)), jnp.asarray(anchors),
-                                               jnp.asarray(keep))))
-        if not self.items:
+            valid = np.arange(rec["prompt_len"], max(rec["prompt_len"], len(toks) - block_size + 1))
+            if len(valid):
+                seqs.append((index, rec, toks, valid))
+        if not seqs:
             raise ValueError(f"held-out store {store.path} has no sequence with a full block of response")
+        width = -(-max(len(t) for _, _, t, _ in seqs) // 64) * 64
+        num = -(-max(len(v) for *_, v in seqs) // 64) * 64
+        total = -(-len(seqs) // rows) * rows
+        tokens = np.zeros((total, width), np.int32)
+        mask = np.zeros((total, width), bool)
+        lengths = np.ones((total,), np.int32)
+        anchors = np.zeros((total, num), np.int32)
+        keep = np.zeros((total, num), bool)
+        self.sources = [rec["source"] for _, rec, _, _ in seqs] + [None] * (total - len(seqs))
+        for r, (_, rec, toks, valid) in enumerate(seqs):
+            tokens[r, :len(toks)] = toks
+            mask[r, rec["prompt_len"]:len(toks)] = True
+            lengths[r] = len(toks)
+            anchors[r, :len(valid)] = valid
+            keep[r, :len(valid)] = True
+        self.chunks = []
+        for c in range(0, total, rows):
+            idx = [seqs[r][0] for r in range(c, min(c + rows, len(seqs)))]
+            sl = slice(c, c + rows)
+            if features is None:  # one target forward over the whole chunk (padding rows included: one shape)
+                taps = batch_features(target, tokens[sl], idx, tap_indices)
+            else:
+                taps = batch_features(target, tokens[c:c + len(idx)], idx, tap_indices, features)
+                taps = jnp.concatenate([taps, jnp.zeros((rows - len(idx),) + taps.shape[1:], taps.dtype)])
+            self.chunks.append((jnp.asarray(tokens[sl]), taps, jnp.asarray(mask[sl]), jnp.asarray(lengths[sl]),
+                                jnp.asarray(anchors[sl]), jnp.asarray(keep[sl])))
 
     def evaluate(self, method, params, consts) -> dict:
         """{source: {"tau": [tau(K) for K = 1..Q-1], "anchors": n}} plus "all" over every source."""
         per_source: dict[str, list[np.ndarray]] = {}
-        for source, arrays in self.items:
+        for c, arrays in enumerate(self.chunks):
             accepted, counted = _simulate(params, consts, *arrays, method=method)
-            acc = np.asarray(accepted)[np.asarray(counted)]
-            per_source.setdefault(source, []).append(acc)
-            per_source.setdefault("all", []).append(acc)
+            accepted, counted = np.asarray(accepted), np.asarray(counted)
+            for r in range(accepted.shape[0]):
+                source = self.sources[c * accepted.shape[0] + r]
+                if source is None:
+                    continue
+                acc = accepted[r][counted[r]]
+                per_source.setdefault(source, []).append(acc)
+                per_source.setdefault("all", []).append(acc)
         ks = np.arange(1, self.block_size)
         out = {}
         for source, accs in per_source.items():
