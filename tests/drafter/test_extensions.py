@@ -77,3 +77,12 @@ def test_draft_vocabulary_drafter_is_lossless_and_drafts_only_its_ids(setup):
     assert engine.allocator.num_used == 0
     drafted = {int(t) for s in spec for d in s.stats.draft_log for t in d}
     assert drafted and drafted <= set(int(i) for i in ids)
+
+
+def test_slot_embeddings_forbid_a_larger_block(setup):
+    from specjax.config import ConfigError
+
+    _, cfg, _, _ = setup
+    DFlashProposer(cfg, 4)  # smaller blocks use the first slots
+    with pytest.raises(ConfigError, match="block_size=16 exceeds the drafter's 8"):
+        DFlashProposer(cfg, 16)

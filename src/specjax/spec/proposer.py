@@ -62,6 +62,9 @@ class DFlashProposer:
     def __post_init__(self):
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
+        if self.cfg.has_slot_embedding and self.block_size > self.cfg.block_size:
+            raise ConfigError(f"block_size={self.block_size} exceeds the drafter's {self.cfg.block_size}: its slot "
+                              "embeddings exist only for the block it was trained with")
 
     @property
     def tap_indices(self) -> tuple[int, ...]:
