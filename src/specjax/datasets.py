@@ -154,3 +154,32 @@ def load_train_prompts(sources=TRAIN_SOURCES, data_dir: str | None = None, share
             raise DatasetError(f"unknown training source {source!r} (choose from {', '.join(TRAIN_SOURCES)})")
         out.extend(prompts[:max_per_source] if max_per_source else prompts)
     return out
+
+
+def load_train_texts(sources=TRAIN_SOURCES, data_dir: str | None = None, sharegpt_file: str | None = None,
+                     max_chars_per_source: int = 2_000_000) -> list[str]:
+    """Existing answer texts of the training sources (gsm8k solutions, MBPP code, CodeAlpaca outputs, ShareGPT
+    assistant turns), up to `max_chars_per_source` each: token statistics beyond what the target has answered."""
+    data_dir = data_dir or default_data_dir()
+    out: list[str] = []
+    for source in sources:
+        if source == "gsm8k_train":
+            texts = [r["answer"] for r in read_jsonl(os.path.join(data_dir, "gsm8k_train.jsonl"))]
+        elif source == "mbpp_train":
+            texts = [r["code"] for r in read_jsonl(os.path.join(data_dir, "mbpp.jsonl"))
+                     if r["task_id"] not in MBPP_TEST_IDS]
+        elif source == "codealpaca":
+            texts = [r["output"] for r in read_jsonl(os.path.join(data_dir, "codealpaca_train.jsonl"))]
+        elif source == "sharegpt":
+            path = sharegpt_file or sharegpt_path()
+            texts = [] if path is None else [t.get("value", "") for rec in recover_sharegpt(path)
+                                             for t in rec.get("conversations") or [] if t.get("from") == "gpt"]
+        else:
+            raise DatasetError(f"unknown training source {source!r} (choose from {', '.join(TRAIN_SOURCES)})")
+        budget = max_chars_per_source
+        for t in texts:
+            if budget <= 0:
+                break
+            out.append(t[:budget])
+            budget -= len(t)
+    return out

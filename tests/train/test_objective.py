@@ -195,3 +195,27 @@ def test_fc_init_equalises_massive_input_dimensions():
     ratio = np.abs(out / np.asarray(fc))
     np.testing.assert_allclose(ratio[2] * 3000, ratio[0], rtol=1e-5)  # the massive row is scaled down 3000x
     assert np.sqrt(np.mean(out ** 2)) == pytest.approx(float(np.sqrt(np.mean(np.asarray(fc) ** 2))), rel=1e-5)
+
+
+def test_init_from_target_layer_reproduces_its_context_keys_and_values(setup):
+    """A drafter started from target layers (2, 3) reading tap 2 (= the input of layer 2): its first layer's
+    context K/V rows equal the target's own layer-2 K/V rows (the tiny Qwen3 has q/k norms, copied too)."""
+    from specjax.model import target as tgt
+    from specjax.train.trainer import DFlashMethod, init_from_target
+
+    target, _, _, tokens, *_ = setup
+    cfg = drafter_config_for(target.config, num_layers=2, block_size=Q, target_layer_ids=(0, 1),
+                             mask_embedding=True)  # taps = hidden states 1, 2
+    weights = init_from_target(init_drafter(cfg, jax.random.PRNGKey(0)), cfg, target, (2, 3))
+    seq = jnp.asarray(tokens[:1, :16])
+    positions = jnp.arange(16)[None]
+    batch = tgt.ForwardBatch(seq, positions, jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 1), jnp.int32))
+    kv = tgt.init_kv_pages(target.config.num_layers, 1, 1, target.config.num_kv_heads, target.config.head_dim)
+    _, taps, rows = tgt.forward(target.weights, kv, batch, target.config, cfg.hidden_state_indices)
+    ours = dflash.observe(weights, cfg, taps, positions)
+    np.testing.assert_allclose(np.asarray(ours.k[0]), np.asarray(rows.k[2]), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(ours.v[0]), np.asarray(rows.v[2]), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="does not tap hidden state 3"):
+        init_from_target(init_drafter(cfg, jax.random.PRNGKey(0)), cfg, target, (3, 3))
+    assert DFlashMethod(cfg, Q, 4, 4.0, init_layers=(2, 3)).init_params(jax.random.PRNGKey(0), target).fc.shape \
+        == weights.fc.shape

@@ -90,8 +90,13 @@ def cmd_cache_features(args) -> int:
     return 0
 
 
-def draft_vocabulary(store, vocab_size: int, size: int):
-    """The `size` most frequent response tokens of `store` (sorted ids) and the share of responses they cover."""
+def draft_vocabulary(store, vocab_size: int, size: int, background=None):
+    """The `size` most frequent response tokens of `store` (sorted ids) and the share of responses they cover.
+
+    `background` [V] (token counts of other text) ranks the tokens the store never shows: a store of a few
+    hundred answers holds only ~4.4k distinct tokens, and filling the rest of an 8k vocabulary by id order
+    (what zero counts give) wastes it.  Store counts always rank first.
+    """
     import numpy as np
 
     from specjax.train.eagle3_objective import draft_vocab_from_counts
@@ -99,8 +104,24 @@ def draft_vocabulary(store, vocab_size: int, size: int):
     counts = np.zeros(vocab_size, np.int64)
     for rec, toks in store.sequences():
         counts += np.bincount(toks[rec["prompt_len"]:], minlength=vocab_size)
-    ids = draft_vocab_from_counts(counts, min(size, vocab_size))
+    score = counts.astype(np.float64)
+    if background is not None:
+        score += np.asarray(background, np.float64) / (1.0 + float(np.max(background)))  # < 1: breaks ties only
+    ids = draft_vocab_from_counts(score, min(size, vocab_size))
     return ids, float(counts[ids].sum() / max(1, counts.sum()))
+
+
+def background_counts(tokenizer, vocab_size: int, data_dir=None, sharegpt_file=None, max_chars: int = 2_000_000):
+    """Token counts over the existing answer texts of the training sources (no model run: tokenizer only)."""
+    import numpy as np
+
+    from specjax.datasets import load_train_texts
+
+    counts = np.zeros(vocab_size, np.int64)
+    for text in load_train_texts(data_dir=data_dir, sharegpt_file=sharegpt_file, max_chars_per_source=max_chars):
+        ids = np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64)
+        counts += np.bincount(ids[ids < vocab_size], minlength=vocab_size)
+    return counts
 
 
 def cmd_train_drafter(args) -> int:
@@ -123,16 +144,18 @@ def cmd_train_drafter(args) -> int:
     vocab = target.config.vocab_size
     draft_ids, coverage = None, 1.0
     if 0 < args.draft_vocab_size < vocab:
-        draft_ids, coverage = draft_vocabulary(store, vocab, args.draft_vocab_size)
+        background = None
+        if args.draft_vocab_text and target.tokenizer is not None:
+            background = background_counts(target.tokenizer, vocab, args.data_dir, args.sharegpt_file)
+        draft_ids, coverage = draft_vocabulary(store, vocab, args.draft_vocab_size, background)
     if args.method == "dflash":
-        if args.init:
+        if args.init:  # the drafter's weights do not depend on the vocabulary: it is chosen anew from the data
             import dataclasses
 
             from specjax.drafter.loader import load_drafter
 
-            dcfg, w = load_drafter(args.init, target.config)
-            if dcfg.draft_vocab_size:
-                draft_ids = [int(i) for i in w.draft_ids]
+            dcfg, _ = load_drafter(args.init, target.config)
+            dcfg = dataclasses.replace(dcfg, draft_vocab_size=0 if draft_ids is None else len(draft_ids))
             cfg = dataclasses.replace(cfg, block_size=dcfg.block_size)
         else:
             dcfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block_size,
@@ -140,8 +163,10 @@ def cmd_train_drafter(args) -> int:
                                       intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
                                       slot_embedding=args.slot_embedding,
                                       draft_vocab_size=0 if draft_ids is None else len(draft_ids))
+        init_layers = tuple(int(x) for x in args.init_target_layers.split(",")) if args.init_target_layers else None
         method = DFlashMethod(dcfg, cfg.block_size, args.num_anchors, cfg.decay,
-                              draft_ids=None if draft_ids is None else tuple(int(i) for i in draft_ids))
+                              draft_ids=None if draft_ids is None else tuple(int(i) for i in draft_ids),
+                              init_layers=init_layers)
     else:
         from specjax.drafter.eagle3_loader import eagle3_config_for
 
@@ -156,8 +181,7 @@ def cmd_train_drafter(args) -> int:
         method = Eagle3Method(ecfg, tuple(int(i) for i in draft_ids), target.config.num_layers, args.ttt_steps,
                               args.num_draft_tokens)
     if draft_ids is not None:
-        measured = draft_vocabulary(store, vocab, len(draft_ids))[1] if args.init else coverage
-        print(f"draft vocabulary: {len(draft_ids)} tokens covering {100 * measured:.2f}% of response tokens",
+        print(f"draft vocabulary: {len(draft_ids)} tokens covering {100 * coverage:.2f}% of response tokens",
               file=sys.stderr)
     eval_sets = {}
     if args.eval_prompts > 0 and target.tokenizer is not None:
@@ -226,6 +250,10 @@ def register(sub) -> None:
                    help="DFlash: target layers whose OUTPUT is tapped; EAGLE-3: hidden-state indices (layer inputs)")
     t.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="draft vocabulary: the most frequent response tokens (0 = the whole target vocabulary)")
+    t.add_argument("--draft-vocab-text", action=argparse.BooleanOptionalAction, default=True,
+                   help="rank tokens the data never shows by their counts in the training sources' existing "
+                        "answers (tokenizer only)")
+    t.add_argument("--sharegpt-file", default=None)
     t.add_argument("--slot-embedding", action=argparse.BooleanOptionalAction, default=True,
                    help="DFlash: learned per-slot input offsets (optional specjax tensor; z-lab checkpoints lack it)")
     t.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time-test unrolled steps")
@@ -252,6 +280,9 @@ def register(sub) -> None:
     t.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
     t.add_argument("--init", default=None, help="DFlash: start from this drafter's weights (fresh optimizer), e.g. "
                    "the shipped one, and append to --log")
+    t.add_argument("--init-target-layers", default=None,
+                   help="DFlash: start the drafter as a copy of these target layers (one per drafter layer, e.g. "
+                        "28,29; the first must be tapped: its input is a hidden-state index of the taps)")
     t.add_argument("--log", default=None, help="learning-curve log (JSON lines, cumulative hours; default "
                    "OUT/log.jsonl)")
     t.add_argument("--schedule", default="cosine", choices=["cosine", "constant"])

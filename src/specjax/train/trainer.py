@@ -142,6 +142,37 @@ def scale_fc_init(fc: jax.Array, tap_rms: jax.Array) -> jax.Array:
     return (scaled * target_rms / jnp.sqrt(jnp.mean(scaled * scaled))).astype(fc.dtype)
 
 
+def init_from_target(params, dcfg: DrafterConfig, target, layers: tuple[int, ...]):
+    """Start the drafter as a copy of target layers `layers` (one per drafter layer) reading the tap that feeds
+    the first of them: fc selects that tap (identity block, other taps 0), hidden_norm is that layer's input
+    norm, so the first drafter layer's context K/V start as the target layer's own; the final norm is the
+    target's.  Needs the drafter geometry to equal the target's; per-head q/k norms start at 1 (Llama has none)."""
+    tcfg, tw = target.config, target.weights
+    if len(layers) != dcfg.num_layers:
+        raise ValueError(f"--init-target-layers names {len(layers)} layers for a {dcfg.num_layers}-layer drafter")
+    if (dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim, dcfg.intermediate_size) != \
+            (tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim, tcfg.intermediate_size):
+        raise ValueError("--init-target-layers needs the drafter's heads / head_dim / intermediate size to equal "
+                         "the target's")
+    if layers[0] not in dcfg.hidden_state_indices:
+        raise ValueError(f"--init-target-layers: the drafter does not tap hidden state {layers[0]} (the input of "
+                         f"target layer {layers[0]}); its taps are {list(dcfg.hidden_state_indices)}")
+    new_layers = []
+    for drafter_layer, i in zip(params.layers, layers):
+        t = tw.layers[i]
+        q, kv = jnp.split(t.w_qkv, [tcfg.q_size], axis=-1)
+        new_layers.append(dataclasses.replace(
+            drafter_layer, attn_norm=t.attn_norm, w_q=q, w_kv=kv, w_o=t.w_o, mlp_norm=t.mlp_norm,
+            w_gate_up=t.w_gate_up, w_down=t.w_down,
+            q_norm=t.q_norm if t.q_norm is not None else drafter_layer.q_norm,
+            k_norm=t.k_norm if t.k_norm is not None else drafter_layer.k_norm))
+    h = dcfg.target_hidden_size
+    tap = dcfg.hidden_state_indices.index(layers[0])
+    fc = jnp.zeros_like(params.fc).at[tap * h:(tap + 1) * h].set(jnp.eye(h, dtype=params.fc.dtype))
+    return dataclasses.replace(params, layers=tuple(new_layers), fc=fc, hidden_norm=tw.layers[layers[0]].attn_norm,
+                               norm=tw.final_norm)
+
+
 def make_optimizer(cfg: TrainConfig):
     warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
     if cfg.schedule == "cosine":
@@ -172,6 +203,7 @@ class DFlashMethod:
     gamma: float
     name: str = "dflash"
     draft_ids: tuple[int, ...] | None = None
+    init_layers: tuple[int, ...] | None = None  # copy these target layers into the drafter (see init_from_target)
 
     @property
     def tap_indices(self):
@@ -189,6 +221,8 @@ class DFlashMethod:
             rms = jnp.sqrt(jnp.mean(target.weights.embed ** 2))
             params = dataclasses.replace(params, slot_embedding=0.5 * rms * jax.random.normal(
                 jax.random.fold_in(key, 1), params.slot_embedding.shape, params.slot_embedding.dtype))
+        if self.init_layers:
+            params = init_from_target(params, self.dcfg, target, self.init_layers)
         return params
 
     def constants(self, target):
