@@ -121,7 +121,7 @@ def plot_sim_curves(logs: dict[str, str], png_path: str, title: str = "", ks: tu
                 if pts:
                     ax.plot(*zip(*pts), style, color=color, marker=".", label=f"{label} K={k}")
         ax.set_title(source, fontsize=9)
-        ax.set_xlabel("training hours (2-core CPU)")
+        ax.set_xlabel("training hours (wall clock)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("simulated tau (held out)")
     axes[0][-1].legend(fontsize=7)

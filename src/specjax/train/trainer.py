@@ -169,8 +169,10 @@ def init_from_target(params, dcfg: DrafterConfig, target, layers: tuple[int, ...
     h = dcfg.target_hidden_size
     tap = dcfg.hidden_state_indices.index(layers[0])
     fc = jnp.zeros_like(params.fc).at[tap * h:(tap + 1) * h].set(jnp.eye(h, dtype=params.fc.dtype))
-    return dataclasses.replace(params, layers=tuple(new_layers), fc=fc, hidden_norm=tw.layers[layers[0]].attn_norm,
-                               norm=tw.final_norm)
+    params = dataclasses.replace(params, layers=tuple(new_layers), fc=fc,
+                                 hidden_norm=tw.layers[layers[0]].attn_norm, norm=tw.final_norm)
+    # own copies: training donates its params, and the target's arrays (one of them used twice) must survive
+    return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), params)
 
 
 def make_optimizer(cfg: TrainConfig):
@@ -436,9 +438,9 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
 
     `features`: an optional FeatureCache over `store` holding the method's taps (checked before training).
     `init_from`: start from this drafter checkpoint's weights (fresh optimizer state) instead of a random init.
-    `heldout`: a HeldOutSet for simulated tau every `cfg.sim_every` steps.  `log_path`: the learning-curve log
-    (default out_dir/log.jsonl); it is appended to when resuming or starting from `init_from`, with cumulative
-    wall-clock hours, so one curve spans many runs.
+    `heldout`: a HeldOutSet for simulated tau every `cfg.sim_every` steps.  `log_path`: a learning-curve log
+    that is always appended to, with cumulative wall-clock hours, so one curve spans many runs (default
+    out_dir/log.jsonl, reset by a fresh run, appended to by --resume and --init).
     """
     from tqdm import tqdm
 
@@ -453,11 +455,12 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
                                                                                 tap_rms)
     opt_state = optimizer.init(params)
     step0 = 0
+    shared_log = log_path is not None  # an explicit learning-curve log is always appended to, never reset
     log_path = log_path or os.path.join(out_dir, "log.jsonl")
     if resume and os.path.isdir(os.path.join(out_dir, "checkpoint")):
         params, opt_state, step0 = load_checkpoint(out_dir, method, tcfg, opt_state)
         log.info("resumed from step %d", step0)
-    elif os.path.exists(log_path) and not init_from:
+    elif os.path.exists(log_path) and not init_from and not shared_log:
         os.remove(log_path)
     hours0 = last_hours(log_path)
     with open(os.path.join(out_dir, "train_config.json"), "w") as fh:
@@ -482,7 +485,7 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
 
     if heldout is not None and cfg.sim_every and step0 == 0:
         simulate(0)
-    step = step0
+    done = step0  # steps completed (a run with --steps at or below the checkpoint's only saves the drafter)
     for step in range(step0, cfg.steps):
         tokens, mask, lengths, epoch, idx = batches.batch(step)
         extra = method.host_inputs((cfg.seed, step), mask, lengths)
@@ -491,6 +494,7 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
             params, opt_state, consts, jnp.asarray(tokens), taps, jnp.asarray(mask), jnp.asarray(lengths), extra,
             method=method, optimizer=optimizer)
         tokens_seen += int(lengths.sum())
+        done = step + 1
         elapsed = time.perf_counter() - t_start
         out_of_time = cfg.max_hours is not None and elapsed >= cfg.max_hours * 3600
         last = step + 1 == cfg.steps or out_of_time
@@ -518,7 +522,13 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
             break
     bar.close()
     method.save(os.path.join(out_dir, "drafter"), params, dtype=save_dtype)
-    plot_curves(log_path, os.path.join(out_dir, "curve.png"))
-    summary.update({"steps": step + 1, "wall_s": time.perf_counter() - t_start, "tokens_seen": tokens_seen,
+    if os.path.exists(log_path):  # a run of 0 steps (re-saving a drafter) has nothing to plot
+        plot_curves(log_path, os.path.join(out_dir, "curve.png"))
+    if heldout is not None and cfg.sim_every:
+        from specjax.train.simtau import plot_sim_curves
+
+        plot_sim_curves({method.name: log_path}, os.path.join(out_dir, "sim-curve.png"),
+                        "simulated tau on held-out target answers")
+    summary.update({"steps": done, "wall_s": time.perf_counter() - t_start, "tokens_seen": tokens_seen,
                     "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens})
     return summary

@@ -1,0 +1,59 @@
+"""Simulated tau (teacher-forced, every anchor) against the engine's tau from a `specjax bench` run, same prompts.
+
+The bench's plain-decoding outputs are the target's greedy answers to the bench prompts; simulated tau on those
+answers with the same drafter should match the engine's tau of `dflash@K` (which averages over the block starts the
+engine visits, not over every position).  Single-turn datasets only.  Prints one JSON line per dataset.
+
+  python scripts/sim_tau_vs_bench.py --bench docs/results/bench/bench.json --drafter DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+import numpy as np
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bench", required=True, help="bench.json of a `specjax bench` run with ar and dflash@K")
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--data-dir", default=None)
+    args = p.parse_args()
+
+    from specjax.datasets import load_eval
+    from specjax.drafter.loader import load_drafter
+    from specjax.model.loader import load_model
+    from specjax.train.simtau import HeldOutSet
+    from specjax.train.store import TokenStore
+    from specjax.train.trainer import DFlashMethod
+
+    bench = json.load(open(args.bench))
+    target = load_model(bench["config"].get("model"))
+    dcfg, w = load_drafter(args.drafter, target.config)
+    ids = None if w.draft_ids is None else tuple(int(i) for i in np.asarray(w.draft_ids))
+    method = DFlashMethod(dcfg, dcfg.block_size, 1, 4.0, draft_ids=ids)
+    params, consts = method.load(args.drafter, target.config), method.constants(target)
+    records = bench["records"]
+    for dataset in ("gsm8k", "math500", "humaneval", "mbpp"):
+        ar = [r for r in records if r["method"] == "ar" and r["dataset"] == dataset]
+        if not ar:
+            continue
+        prompts = load_eval(dataset, args.data_dir)[:ar[0]["num_requests"]]
+        with tempfile.TemporaryDirectory() as tmp:
+            store = TokenStore(tmp, target.config.vocab_size)
+            for prompt, out in zip(prompts, ar[0]["outputs"]):
+                ids_ = target.tokenizer.encode_chat([{"role": "user", "content": prompt.turns[0]}])
+                store.append(prompt.id, dataset, ids_ + list(out), len(ids_), "length")
+            sim = HeldOutSet(target, store, method.tap_indices, dcfg.block_size, max_len=2048).evaluate(
+                method, params, consts)[dataset]["tau"]
+        engine = {r["num_draft_tokens"]: r["tau"] for r in records
+                  if r["method"].startswith("dflash") and r["dataset"] == dataset}
+        print(json.dumps({"dataset": dataset, "simulated_tau": {k: round(sim[k - 1], 3) for k in sorted(engine)},
+                          "engine_tau": {k: round(v, 3) for k, v in sorted(engine.items())}}))
+
+
+if __name__ == "__main__":
+    main()
