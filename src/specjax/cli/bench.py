@@ -1,4 +1,4 @@
-"""`specjax bench`, `specjax analyze kflat` and `specjax analyze theory`."""
+"""`specjax bench`, `specjax analyze kflat`, `specjax analyze accel` and `specjax analyze theory`."""
 
 from __future__ import annotations
 
@@ -133,6 +133,27 @@ def cmd_analyze_kflat(args) -> int:
     return 0
 
 
+def cmd_analyze_accel(args) -> int:
+    import jax.numpy as jnp
+
+    from specjax.bench.accel import PRESETS, run_check
+
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown or not presets:
+        raise ConfigError(f"unknown --presets {unknown or args.presets!r} (known: {', '.join(PRESETS)})")
+    qs = sorted({int(q) for q in args.q.split(",")} | {1})
+    print(f"accelerator check: {presets}, q = {qs}, context {args.context}, budget {args.budget_s:.0f} s",
+          file=sys.stderr)
+    record = run_check(presets, qs, args.context, args.repeats, jnp.dtype(args.dtype), args.budget_s, args.out_dir,
+                       progress=lambda line: print(line, flush=True))
+    print(json.dumps({name: {"kflat_ratio": {r["q"]: round(r["ratio"], 3) for r in p["verify"]},
+                             "t1_ms": round(1000 * p["verify"][0]["median_s"], 3),
+                             "break_even_tau": round(p["tpot"]["break_even_tau"], 3) if "tpot" in p else None}
+                      for name, p in record["presets"].items()}))
+    return 0
+
+
 def cmd_analyze_theory(args) -> int:
     from specjax.bench.theory import analyze, plot_theory
 
@@ -189,7 +210,7 @@ def register(sub) -> None:
     b.add_argument("--compile-cache", default=DEFAULT_CACHE)
     b.set_defaults(func=cmd_bench)
 
-    a = sub.add_parser("analyze", help="analyses: kflat (verify cost vs tokens per forward)")
+    a = sub.add_parser("analyze", help="analyses: kflat (verify cost vs tokens per forward), accel, theory")
     asub = a.add_subparsers(dest="analysis", required=True)
     k = asub.add_parser("kflat", help="time one target verify forward for q tokens; t(q)/t(1) is the headline")
     k.add_argument("--model", default=None)
@@ -203,6 +224,18 @@ def register(sub) -> None:
     k.add_argument("--out-dir", default=None, help="write kflat.json and kflat.png here")
     k.add_argument("--compile-cache", default=DEFAULT_CACHE)
     k.set_defaults(func=cmd_analyze_kflat)
+    ac = asub.add_parser("accel", help="the accelerator check: random-weight Qwen3-4B / Llama-3.1-8B / SmolLM2 "
+                         "targets and z-lab-shaped drafters; t(q)/t(1) and DFlash TPOT at fixed tau (JSON + PNG)")
+    ac.add_argument("--presets", default="qwen3-4b,llama-3.1-8b,smollm2-135m",
+                    help="comma-separated, run in this order (tiny = toy shapes for a CPU dry run)")
+    ac.add_argument("--q", default="1,2,4,8,16,32,64,128,256,512,1024", help="tokens per verify forward")
+    ac.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
+    ac.add_argument("--repeats", type=int, default=10)
+    ac.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ac.add_argument("--budget-s", type=float, default=420.0,
+                    help="wall-clock budget; q values past it are skipped (t(1), t(B) and the drafter always run)")
+    ac.add_argument("--out-dir", required=True, help="accel.json (rewritten after every measurement), accel.png")
+    ac.set_defaults(func=cmd_analyze_accel)
     th = asub.add_parser("theory", help="fit per-position acceptance from a bench JSON, predict tau(K), speedup(K)")
     th.add_argument("--from", dest="bench", required=True, help="bench.json written by `specjax bench`")
     th.add_argument("--kflat", default=None, help="kflat.json for predicted speedup(K) and the recommended K")

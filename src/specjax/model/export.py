@@ -17,14 +17,14 @@ def target_state_dict(model: LoadedModel) -> dict[str, np.ndarray]:
     qs, kvs = cfg.q_size, cfg.kv_size
     out = {HF_GLOBAL_NAMES["embed"]: np.asarray(w.embed), HF_GLOBAL_NAMES["final_norm"]: np.asarray(w.final_norm)}
     if w.lm_head is not None:
-        out[HF_GLOBAL_NAMES["lm_head"]] = np.asarray(w.lm_head).T
+        out[HF_GLOBAL_NAMES["lm_head"]] = np.asarray(w.lm_head)
     for i, layer in enumerate(w.layers):
         n = hf_layer_names(i)
-        qkv = np.asarray(layer.w_qkv).T
-        gate, up = np.split(np.asarray(layer.w_gate_up).T, 2, axis=0)
+        qkv = np.asarray(layer.w_qkv)
+        gate, up = np.split(np.asarray(layer.w_gate_up), 2, axis=0)
         out.update({n["attn_norm"]: np.asarray(layer.attn_norm), n["q"]: qkv[:qs], n["k"]: qkv[qs:qs + kvs],
-                    n["v"]: qkv[qs + kvs:], n["o"]: np.asarray(layer.w_o).T, n["mlp_norm"]: np.asarray(layer.mlp_norm),
-                    n["gate"]: gate, n["up"]: up, n["down"]: np.asarray(layer.w_down).T})
+                    n["v"]: qkv[qs + kvs:], n["o"]: np.asarray(layer.w_o), n["mlp_norm"]: np.asarray(layer.mlp_norm),
+                    n["gate"]: gate, n["up"]: up, n["down"]: np.asarray(layer.w_down)})
         if layer.b_qkv is not None:
             b = np.asarray(layer.b_qkv)
             out.update({n["q_bias"]: b[:qs], n["k_bias"]: b[qs:qs + kvs], n["v_bias"]: b[qs + kvs:]})

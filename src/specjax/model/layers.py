@@ -9,10 +9,11 @@ import jax.numpy as jnp
 MASK_VALUE = -1e30
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in float32 (HF semantics: normalise, cast, then scale)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax.Array:
+    """RMSNorm over `axis` (`weight` broadcast against x), computed in float32 (HF semantics: normalise, cast,
+    then scale)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
 
 

@@ -149,14 +149,14 @@ def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: st
             bias = np.concatenate([take(n["q_bias"], (qs,)), take(n["k_bias"], (kvs,)), take(n["v_bias"], (kvs,))])
         layers.append(TargetLayer(
             attn_norm=dev(take(n["attn_norm"], (d,))),
-            w_qkv=dev(np.concatenate([wq, wk, wv], axis=0).T),
+            w_qkv=dev(np.concatenate([wq, wk, wv], axis=0)),
             b_qkv=dev(bias),
             q_norm=dev(take(n["q_norm"], (h,))) if cfg.qk_norm else None,
             k_norm=dev(take(n["k_norm"], (h,))) if cfg.qk_norm else None,
-            w_o=dev(take(n["o"], (d, qs)).T),
+            w_o=dev(take(n["o"], (d, qs))),
             mlp_norm=dev(take(n["mlp_norm"], (d,))),
-            w_gate_up=dev(np.concatenate([take(n["gate"], (f, d)), take(n["up"], (f, d))], axis=0).T),
-            w_down=dev(take(n["down"], (d, f)).T),
+            w_gate_up=dev(np.concatenate([take(n["gate"], (f, d)), take(n["up"], (f, d))], axis=0)),
+            w_down=dev(take(n["down"], (d, f))),
         ))
     embed = take(HF_GLOBAL_NAMES["embed"], (v, d))
     final_norm = take(HF_GLOBAL_NAMES["final_norm"], (d,))
@@ -164,7 +164,7 @@ def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: st
         lm_head = None
         reader.used.add(HF_GLOBAL_NAMES["lm_head"])  # some tied checkpoints still carry a copy; HF ignores it too
     else:
-        lm_head = dev(take(HF_GLOBAL_NAMES["lm_head"], (v, d)).T)
+        lm_head = dev(take(HF_GLOBAL_NAMES["lm_head"], (v, d)))
     unexpected = [k for k in reader.unexpected() if not HF_IGNORED.match(k)]
     if unexpected:
         raise CheckpointError(f"{source}: unexpected tensors for {cfg.family} config: {unexpected[:8]}")

@@ -5,6 +5,12 @@ absolute positions, writes its K/V into the paged cache and returns the final hi
 states at requested `output_hidden_states` indices (0 = embeddings, i = OUTPUT of decoder layer i - 1, before
 the final norm).  Layers are unrolled over per-layer arrays: on XLA:CPU this is ~2x faster than lax.scan over
 stacked weights at decode shapes (see ../shared/docs/assets.md §9.3).
+
+Layout: weights are stored [out, in] (as HF stores them) and the residual stream runs feature-major, x [D, M]
+for the M = B * T tokens of a step, so every projection is `W @ x` with the large dimension first.  On XLA:CPU
+(YNNPACK dots) this is what keeps a verify step of q tokens close to the cost of one: the same products written
+token-major (`x @ W[in, out]`) cost 1.5-2x more at q = 4..16 (docs/results/kflat.md); on accelerators the
+layout is free.  Attention and the outputs are token-major; only those small activations are transposed.
 """
 
 from __future__ import annotations
@@ -17,21 +23,21 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.model.attention import KVRows, paged_attention
-from specjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from specjax.model.layers import apply_rope, rms_norm, rope_cos_sin
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class TargetLayer:
     attn_norm: jax.Array  # [D]
-    w_qkv: jax.Array  # [D, (N + 2K) * H]: q, k, v projections fused
+    w_qkv: jax.Array  # [(N + 2K) * H, D]: q, k, v projections fused
     b_qkv: jax.Array | None  # [(N + 2K) * H] (Qwen2) or None
     q_norm: jax.Array | None  # [H] (Qwen3) or None
     k_norm: jax.Array | None  # [H] (Qwen3) or None
-    w_o: jax.Array  # [N * H, D]
+    w_o: jax.Array  # [D, N * H]
     mlp_norm: jax.Array  # [D]
-    w_gate_up: jax.Array  # [D, 2F]: gate and up fused
-    w_down: jax.Array  # [F, D]
+    w_gate_up: jax.Array  # [2F, D]: gate and up fused
+    w_down: jax.Array  # [D, F]
 
 
 @jax.tree_util.register_dataclass
@@ -40,12 +46,17 @@ class TargetWeights:
     embed: jax.Array  # [V, D]
     layers: tuple[TargetLayer, ...]
     final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None  # [D, V], or None when tied to `embed`
+    lm_head: jax.Array | None  # [V, D], or None when tied to `embed`
+
+    @property
+    def vocab_rows(self) -> jax.Array:
+        """[V, D]: the LM head's rows (the embedding when tied)."""
+        return self.embed if self.lm_head is None else self.lm_head
 
     @property
     def output_head(self) -> jax.Array:
-        """[D, V] view of the LM head (the embedding transposed when tied)."""
-        return self.embed.T if self.lm_head is None else self.lm_head
+        """[D, V] view of the LM head, the operand the drafters' token-major heads take."""
+        return self.vocab_rows.T
 
 
 @jax.tree_util.register_dataclass
@@ -84,12 +95,13 @@ class ForwardBatch:
 
 
 def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, batch: ForwardBatch, cos, sin):
-    """Pre-norm attention of one layer over the pages plus the new rows.  x: [B, T, D] -> (x, k_new, v_new)."""
-    b, t, _ = x.shape
-    xn = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    qkv = xn @ layer.w_qkv  # [B, T, (N + 2K) * H]
+    """Pre-norm attention of one layer over the pages plus the new rows.  x: [D, B*T] -> (x, k_new, v_new)."""
+    b, t = batch.tokens.shape
+    xn = rms_norm(x, layer.attn_norm[:, None], cfg.rms_norm_eps, axis=0)
+    qkv = layer.w_qkv @ xn  # [(N + 2K) * H, B*T]
     if layer.b_qkv is not None:
-        qkv = qkv + layer.b_qkv
+        qkv = qkv + layer.b_qkv[:, None]
+    qkv = kept(qkv).T.reshape(b, t, -1)
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -100,7 +112,13 @@ def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, bat
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o = paged_attention(q, k_pool, v_pool, batch.page_table, batch.positions, batch.slots >= 0, k, v,
                         cfg.head_dim ** -0.5)
-    return x + o.reshape(b, t, cfg.q_size) @ layer.w_o, k, v
+    return x + layer.w_o @ o.reshape(b * t, cfg.q_size).T, k, v
+
+
+def mlp_block(layer: TargetLayer, cfg: ModelConfig, x):
+    """Pre-norm SwiGLU MLP, feature-major: x [D, M] -> x + down(silu(gate) * up)."""
+    gate, up = jnp.split(layer.w_gate_up @ rms_norm(x, layer.mlp_norm[:, None], cfg.rms_norm_eps, axis=0), 2, axis=0)
+    return x + layer.w_down @ (jax.nn.silu(gate) * up)
 
 
 def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: ModelConfig,
@@ -110,27 +128,34 @@ def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: Model
     Returns (hidden [B, T, D] after the final norm, taps [B, T, len(tap_indices) * D] or None, the new K/V
     rows to write at batch.slots with `write_rows`).
     """
-    x = weights.embed[batch.tokens]  # [B, T, D]
+    b, t = batch.tokens.shape
+    x = weights.embed[batch.tokens.reshape(-1)].T  # [D, B*T]
     cos, sin = rope_cos_sin(batch.positions, jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
     taps = {0: x} if 0 in tap_indices else {}
     new_k, new_v = [], []
     for i, layer in enumerate(weights.layers):
         x, k_new, v_new = attention_block(layer, cfg, x, kv.k[i], kv.v[i], batch, cos, sin)
-        x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
+        x = mlp_block(layer, cfg, x)
         new_k.append(k_new)
         new_v.append(v_new)
         if i + 1 in tap_indices:
             taps[i + 1] = x
-    hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
-    tapped = jnp.concatenate([taps[i] for i in tap_indices], axis=-1) if tap_indices else None
+    hidden = kept(rms_norm(x, weights.final_norm[:, None], cfg.rms_norm_eps, axis=0)).T.reshape(b, t, -1)
+    tapped = kept(jnp.concatenate([taps[i] for i in tap_indices], axis=0)).T.reshape(b, t, -1) if tap_indices else None
     return hidden, tapped, KVRows(k=tuple(new_k), v=tuple(new_v))
 
 
 def logits(weights: TargetWeights, hidden: jax.Array) -> jax.Array:
-    """LM head: hidden [..., D] -> float32 logits [..., V]."""
-    if weights.lm_head is None:
-        return jnp.einsum("...d,vd->...v", hidden, weights.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden, weights.lm_head, preferred_element_type=jnp.float32)
+    """LM head: hidden [..., D] -> float32 logits [..., V] (computed vocab-major, [V, rows], then transposed)."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    out = jnp.einsum("vd,md->vm", weights.vocab_rows, rows, preferred_element_type=jnp.float32)
+    return kept(out).T.reshape(*hidden.shape[:-1], -1)
+
+
+def kept(x: jax.Array) -> jax.Array:
+    """Materialise a product before it is transposed.  Without the barrier XLA folds the transpose into the dot
+    and emits the token-major product this module's layout exists to avoid (2-16x slower on XLA:CPU)."""
+    return jax.lax.optimization_barrier(x)
 
 
 def cast_weights(weights, dtype):

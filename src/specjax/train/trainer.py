@@ -160,10 +160,10 @@ def init_from_target(params, dcfg: DrafterConfig, target, layers: tuple[int, ...
     new_layers = []
     for drafter_layer, i in zip(params.layers, layers):
         t = tw.layers[i]
-        q, kv = jnp.split(t.w_qkv, [tcfg.q_size], axis=-1)
+        q, kv = jnp.split(t.w_qkv.T, [tcfg.q_size], axis=-1)  # target [out, in] -> drafter [in, out]
         new_layers.append(dataclasses.replace(
-            drafter_layer, attn_norm=t.attn_norm, w_q=q, w_kv=kv, w_o=t.w_o, mlp_norm=t.mlp_norm,
-            w_gate_up=t.w_gate_up, w_down=t.w_down,
+            drafter_layer, attn_norm=t.attn_norm, w_q=q, w_kv=kv, w_o=t.w_o.T, mlp_norm=t.mlp_norm,
+            w_gate_up=t.w_gate_up.T, w_down=t.w_down.T,
             q_norm=t.q_norm if t.q_norm is not None else drafter_layer.q_norm,
             k_norm=t.k_norm if t.k_norm is not None else drafter_layer.k_norm))
     h = dcfg.target_hidden_size
