@@ -10,6 +10,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from specjax.hostmem import keep_freed_memory  # noqa: E402
+
+keep_freed_memory()  # as the CLI and LLM do: XLA:CPU temporaries reused, not re-faulted every step
+
 jax.config.update("jax_enable_x64", False)
 
 from tests import helpers  # noqa: E402

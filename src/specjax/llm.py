@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from specjax.config import ConfigError, EngineConfig
 from specjax.drafter.loader import drafter_config_for, init_drafter, load_drafter
 from specjax.engine.engine import LLMEngine, StepOutput
 from specjax.engine.sequence import Sequence, SequenceStats
+from specjax.hostmem import keep_freed_memory
 from specjax.model.loader import LoadedModel, load_model
 from specjax.model.tokenizer import StreamDecoder
 from specjax.sampling import SamplingParams
@@ -36,8 +38,8 @@ def default_drafter_path(method: str = "dflash") -> str | None:
 
 def build_proposer(method: str, target: LoadedModel, drafter: str | None, block_size: int | None = None,
                    dtype=jnp.float32, seed: int = 0, num_draft_tokens: int | None = None, ngram: tuple = (1, 3)):
-    """-> (proposer, proposer weights).  `drafter` is a z-lab checkpoint directory or `random[:LAYERS]` (a random
-    drafter: tau ~ 1, useful to measure the overhead of speculation)."""
+    """-> (proposer, proposer weights).  `drafter` is a z-lab checkpoint directory or `random[:LAYERS[:DRAFT_VOCAB]]`
+    (a random drafter: tau ~ 1, useful to measure the overhead of speculation)."""
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
     if method == "ar":
@@ -62,9 +64,16 @@ def build_proposer(method: str, target: LoadedModel, drafter: str | None, block_
         raise ConfigError("method dflash needs a drafter: pass --drafter DIR (z-lab format), or --drafter random "
                           "to measure overhead, or use --method ar")
     if drafter.startswith("random"):
-        layers = int(drafter.split(":", 1)[1]) if ":" in drafter else 1
-        cfg = drafter_config_for(target.config, num_layers=layers, block_size=block_size or 16)
+        parts = drafter.split(":")
+        try:
+            layers, vocab = int(parts[1]) if len(parts) > 1 else 1, int(parts[2]) if len(parts) > 2 else 0
+        except ValueError:
+            raise ConfigError(f"--drafter {drafter!r}: expected random[:LAYERS[:DRAFT_VOCAB]]") from None
+        cfg = drafter_config_for(target.config, num_layers=layers, block_size=block_size or 16,
+                                 draft_vocab_size=vocab)
         weights = init_drafter(cfg, jax.random.PRNGKey(seed), dtype=dtype)
+        if vocab:  # the first ids stand in for a trained draft vocabulary (timing only)
+            weights = dataclasses.replace(weights, draft_ids=jnp.arange(vocab, dtype=jnp.int32))
     else:
         cfg, weights = load_drafter(drafter, target.config, dtype)
     return DFlashProposer(cfg, block_size or cfg.block_size), weights
@@ -95,6 +104,7 @@ class LLM:
                  seed: int = 0, ngram: tuple[int, int] = (1, 3), target: LoadedModel | None = None):
         if dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r} (float32, bfloat16)")
+        keep_freed_memory()
         self.target = target or load_model(model, DTYPES[dtype])  # `target`: reuse an already loaded model
         if drafter is None and method in (None, "dflash", "eagle3") and model in (None, "default"):
             drafter = default_drafter_path(method or "dflash")

@@ -86,7 +86,7 @@ def test_draft_logits_match_reference_for_scripted_acceptance(pair):
         # --- ours: observe the accepted rows, then propose from the bonus at position s
         rows = dflash.observe(weights, cfg, jnp.asarray(ctx_raw[None, prev:s]), jnp.asarray([new_rows]))
         dkv = write_rows(dkv, jnp.asarray([[slot(p) for p in new_rows]]), rows)
-        ours = np.asarray(dflash.propose_logits(weights, cfg, dkv, target.weights.embed, target.weights.output_head,
+        ours = np.asarray(dflash.propose_logits(weights, cfg, dkv, target.weights.embed, target.weights.vocab_rows,
                                                 jnp.asarray([tokens[s]]), jnp.asarray([s]), table, BLOCK - 1, BLOCK))[0]
         np.testing.assert_allclose(ours, ref_logits, atol=2e-4, rtol=1e-4, err_msg=f"step at s={s}")
         np.testing.assert_array_equal(ours.argmax(-1), ref_logits.argmax(-1))

@@ -64,8 +64,8 @@ def inference_logits(target, cfg, full_weights, taps, tokens, i, a):
     dkv = init_kv_pages(cfg.num_layers, 2, 32, cfg.num_kv_heads, cfg.head_dim)
     pos = jnp.arange(a)[None]
     dkv = write_rows(dkv, 32 + pos, dflash.observe(full_weights, cfg, jnp.asarray(taps[i:i + 1, :a]), pos))
-    prepared = dflash.with_draft_head(full_weights, w.output_head)
-    return np.asarray(dflash.propose_logits(prepared, cfg, dkv, w.embed, w.output_head,
+    prepared = dflash.with_draft_head(full_weights, w.vocab_rows)
+    return np.asarray(dflash.propose_logits(prepared, cfg, dkv, w.embed, w.vocab_rows,
                                             jnp.asarray(tokens[i, a:a + 1]), jnp.asarray([a]), jnp.asarray([[1]]),
                                             Q - 1, Q))[0], prepared
 

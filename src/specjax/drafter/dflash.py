@@ -14,7 +14,7 @@ Two optional specjax extensions of the z-lab format (absent from z-lab checkpoin
 * `slot_embedding` [Q, H], added to the input row of block slot k: every slot knows its offset (without it the
   MASK slots differ only through RoPE, and a small drafter confuses offsets).
 * `draft_ids` [V_d]: a draft vocabulary (sorted target ids).  Drafts are argmax over those rows of the target's
-  output head only (`draft_head` [H, V_d], cut once from the target head by `with_draft_head`), then mapped
+  output head only (`draft_head` [V_d, H], cut once from the target head by `with_draft_head`), then mapped
   back to target ids.  Tokens outside it are never drafted, which costs acceptance only when the target
   writes them.
 """
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from specjax.config import DrafterConfig
 from specjax.model.attention import KVRows, cached_and_new_attention, gather_pages
-from specjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin, swiglu
 from specjax.model.target import KVPages
 
 
@@ -57,20 +57,21 @@ class DFlashWeights:
     mask_embedding: jax.Array | None  # [H] drafter-owned mask embedding, or None (use embed[mask_token_id])
     slot_embedding: jax.Array | None = None  # [Q, H] added to block slot k's input row, or None
     draft_ids: jax.Array | None = None  # [V_d] int32 sorted target ids of the draft vocabulary, or None (all)
-    draft_head: jax.Array | None = None  # [H, V_d] those rows of the target head (derived, never saved)
+    draft_head: jax.Array | None = None  # [V_d, H] those rows of the target head (derived, never saved)
 
 
-def with_draft_head(weights: DFlashWeights, output_head: jax.Array) -> DFlashWeights:
-    """Cut the draft vocabulary's rows out of the target's output head once (no-op without a draft vocabulary)."""
+def with_draft_head(weights: DFlashWeights, vocab_rows: jax.Array) -> DFlashWeights:
+    """Cut the draft vocabulary's rows out of the target's head rows [V, H] once (no-op without a draft
+    vocabulary)."""
     if weights.draft_ids is None or weights.draft_head is not None:
         return weights
-    return dataclasses.replace(weights, draft_head=jnp.take(output_head, weights.draft_ids, axis=1))
+    return dataclasses.replace(weights, draft_head=jnp.take(vocab_rows, weights.draft_ids, axis=0))
 
 
-def output_rows(weights: DFlashWeights, output_head: jax.Array) -> jax.Array:
-    """The head drafts are scored with: the draft vocabulary's rows if any, else the whole target head."""
+def output_rows(weights: DFlashWeights, vocab_rows: jax.Array) -> jax.Array:
+    """The head rows [V_d, H] drafts are scored with: the draft vocabulary's if any, else the target's."""
     if weights.draft_ids is None:
-        return output_head
+        return vocab_rows
     if weights.draft_head is None:
         raise ValueError("a drafter with a draft vocabulary needs with_draft_head() before it proposes")
     return weights.draft_head
@@ -139,14 +140,34 @@ def block_hidden(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, x: ja
     return rms_norm(x, weights.norm, cfg.rms_norm_eps)
 
 
-def propose_logits(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array,
-                   output_head: jax.Array, bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array,
-                   num_draft_tokens: int, block_size: int) -> jax.Array:
-    """Logits [B, K, V_d] of block slots 1..K through the TARGET's output head (its draft-vocabulary rows if the
-    drafter has one: `to_target_ids` maps argmax indices back).  bonus sits at position context_lens (= s, the
-    number of positions already in the drafter context)."""
+def draft_scores(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array, vocab_rows: jax.Array,
+                 bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array, num_draft_tokens: int,
+                 block_size: int) -> jax.Array:
+    """Vocab-major float32 logits [V_d, B * K] of block slots 1..K through the TARGET's head rows `vocab_rows`
+    [V, H] (its draft-vocabulary rows if the drafter has one: `to_target_ids` maps argmax indices back).  bonus
+    sits at position context_lens (= s, the number of positions already in the drafter context).  Vocab-major
+    because that is the fast product on XLA:CPU (model/target.py); argmax runs over axis 0 without a transpose."""
     block_pos = context_lens[:, None] + jnp.arange(block_size)[None, :]  # [B, Q]
     x = block_embeddings(weights, cfg, embed, bonus, block_size)
-    h = block_hidden(weights, cfg, dkv, x, block_pos, context_lens, page_table)
-    return jnp.einsum("bkd,dv->bkv", h[:, 1:1 + num_draft_tokens], output_rows(weights, output_head),
+    h = block_hidden(weights, cfg, dkv, x, block_pos, context_lens, page_table)[:, 1:1 + num_draft_tokens]
+    return jnp.einsum("vd,md->vm", output_rows(weights, vocab_rows), h.reshape(-1, h.shape[-1]),
                       preferred_element_type=jnp.float32)
+
+
+def propose_logits(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array,
+                   vocab_rows: jax.Array, bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array,
+                   num_draft_tokens: int, block_size: int) -> jax.Array:
+    """`draft_scores` as logits [B, K, V_d] (the oracles' view)."""
+    scores = draft_scores(weights, cfg, dkv, embed, vocab_rows, bonus, context_lens, page_table, num_draft_tokens,
+                          block_size)
+    return kept(scores).T.reshape(bonus.shape[0], num_draft_tokens, -1)
+
+
+def propose_tokens(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array,
+                   vocab_rows: jax.Array, bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array,
+                   num_draft_tokens: int, block_size: int) -> jax.Array:
+    """Greedy drafts [B, K] (target ids): argmax of `draft_scores`."""
+    scores = draft_scores(weights, cfg, dkv, embed, vocab_rows, bonus, context_lens, page_table, num_draft_tokens,
+                          block_size)
+    idx = jnp.argmax(scores, axis=0).astype(jnp.int32).reshape(bonus.shape[0], num_draft_tokens)
+    return to_target_ids(weights, idx)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.model.attention import KVRows, paged_attention
-from specjax.model.layers import apply_rope, rms_norm, rope_cos_sin
+from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin
 
 
 @jax.tree_util.register_dataclass
@@ -151,11 +151,6 @@ def logits(weights: TargetWeights, hidden: jax.Array) -> jax.Array:
     out = jnp.einsum("vd,md->vm", weights.vocab_rows, rows, preferred_element_type=jnp.float32)
     return kept(out).T.reshape(*hidden.shape[:-1], -1)
 
-
-def kept(x: jax.Array) -> jax.Array:
-    """Materialise a product before it is transposed.  Without the barrier XLA folds the transpose into the dot
-    and emits the token-major product this module's layout exists to avoid (2-16x slower on XLA:CPU)."""
-    return jax.lax.optimization_barrier(x)
 
 
 def cast_weights(weights, dtype):

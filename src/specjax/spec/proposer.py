@@ -82,13 +82,12 @@ class DFlashProposer:
         return dflash.observe(params, self.cfg, taps, positions)
 
     def propose(self, params, state, target, bonus, start, page_table, num_draft):
-        logits = dflash.propose_logits(params, self.cfg, state, target.embed, target.output_head, bonus, start,
-                                       page_table, num_draft, self.block_size)
-        return dflash.to_target_ids(params, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return dflash.propose_tokens(params, self.cfg, state, target.embed, target.vocab_rows, bonus, start,
+                                     page_table, num_draft, self.block_size)
 
     def prepare(self, params, target):
         """Once per engine: cut the draft vocabulary's head rows (if any) out of the target head."""
-        return dflash.with_draft_head(params, target.output_head)
+        return dflash.with_draft_head(params, target.vocab_rows)
 
 
 

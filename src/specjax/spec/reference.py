@@ -116,5 +116,5 @@ def _draft_from_scratch(dweights, weights, rows, bonus, s, *, dcfg, num_draft, b
     dkv = tgt.init_kv_pages(dcfg.num_layers, 2, n, dcfg.num_kv_heads, dcfg.head_dim, weights.embed.dtype)
     pos = jnp.arange(n)[None]
     dkv = write_rows(dkv, jnp.where(pos < s[:, None], n + pos, -1), dflash.observe(dweights, dcfg, rows, pos))
-    return dflash.propose_logits(dweights, dcfg, dkv, weights.embed, weights.output_head, bonus, s,
+    return dflash.propose_logits(dweights, dcfg, dkv, weights.embed, weights.vocab_rows, bonus, s,
                                  jnp.asarray([[1]]), num_draft, block_size)
