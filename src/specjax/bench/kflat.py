@@ -2,7 +2,8 @@
 
 On accelerators verification is "K-flat" (q = 16 costs about as much as q = 1); on a CPU it is not, and the
 ratio t(q)/t(1) decides how many drafts are worth verifying.  Each q is timed as the real decode step (forward
-over q new tokens, LM head on all q rows, acceptance) plus the KV commit, median of `repeats` after warm-up.
+over q new tokens, LM head on all q rows, acceptance) plus the KV commit, median of `repeats` after warm-up,
+the q values interleaved so that their ratios compare the same moments of a noisy machine.
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ def time_call(fn, repeats: int, warmup: int = 2) -> list[float]:
 
 
 def verify_costs(tcfg, tweights, qs, context_len: int, repeats: int = 15, batch: int = 1, page_size: int = 16,
-                 progress=None) -> list[dict]:
-    """Median seconds of one verify step over q tokens after `context_len` cached tokens, for each q."""
+                 progress=None, proposer=None, pweights=None) -> list[dict]:
+    """Median seconds of one decode step verifying q tokens after `context_len` cached tokens, for each q.
+
+    With no proposer the step verifies q - 1 zero drafts (the verify cost alone); with a device proposer
+    (DFlashProposer) it is the whole speculative step: the drafter proposes q - 1 tokens, the target verifies
+    them, and both caches are committed."""
+    proposer = proposer or NoProposer()
+    if pweights is not None and hasattr(proposer, "prepare"):
+        pweights = proposer.prepare(pweights, tweights)
     max_tokens = context_len + max(qs)
     pages_per_seq = -(-max_tokens // page_size)
     num_pages = batch * pages_per_seq + 1
@@ -41,9 +49,9 @@ def verify_costs(tcfg, tweights, qs, context_len: int, repeats: int = 15, batch:
     table = np.arange(1, num_pages, dtype=np.int32).reshape(batch, pages_per_seq)
     sampling = runner.SamplingBatch(jnp.zeros(batch), jnp.zeros(batch, jnp.int32), jnp.ones(batch),
                                     jnp.zeros(batch, jnp.int32))
-    results = []
-    state = {"kv": kv}
-    for q in qs:
+    state = {"kv": kv, "p": proposer.init_state(num_pages, page_size, tweights.embed.dtype)}
+
+    def make_step(q):
         k = q - 1
         positions = context_len + np.arange(q)
         slots = (table[:, positions // page_size] * page_size + positions % page_size).astype(np.int32)
@@ -52,19 +60,27 @@ def verify_costs(tcfg, tweights, qs, context_len: int, repeats: int = 15, batch:
                                     jnp.zeros((batch, k), jnp.int32))
 
         def step():
-            out = runner.decode_step(tweights, state["kv"], None, None, inputs, sampling, tcfg=tcfg,
-                                     proposer=NoProposer(), num_draft=k, mode=GREEDY)
-            state["kv"], _ = runner.commit(state["kv"], None, inputs.slots, out[3], out[5], out[4])
+            out = runner.decode_step(tweights, state["kv"], pweights, state["p"], inputs, sampling, tcfg=tcfg,
+                                     proposer=proposer, num_draft=k, mode=GREEDY)
+            state["kv"], state["p"] = runner.commit(state["kv"], state["p"], inputs.slots, out[3], out[5], out[4])
             return out[0]
 
-        times = time_call(step, repeats)
-        results.append({"q": q, "median_s": statistics.median(times), "min_s": min(times),
-                        "p90_s": float(np.quantile(times, 0.9)), "repeats": repeats})
-        if progress:
-            progress(results[-1])
+        return step
+
+    steps = {q: make_step(q) for q in qs}
+    for q in qs:  # compile and warm up every q first ...
+        time_call(steps[q], 0)
+    times = {q: [] for q in qs}
+    for _ in range(repeats):  # ... then time them round-robin, so every q sees the same machine (a shared VM drifts)
+        for q in qs:
+            times[q] += time_call(steps[q], 1, warmup=0)
+    results = [{"q": q, "median_s": statistics.median(times[q]), "min_s": min(times[q]),
+                "p90_s": float(np.quantile(times[q], 0.9)), "repeats": repeats} for q in qs]
     base = results[0]["median_s"]
     for r in results:
         r["ratio"] = r["median_s"] / base
+        if progress:
+            progress(r)
     return results
 
 
