@@ -86,3 +86,16 @@ def test_slot_embeddings_forbid_a_larger_block(setup):
     DFlashProposer(cfg, 4)  # smaller blocks use the first slots
     with pytest.raises(ConfigError, match="block_size=16 exceeds the drafter's 8"):
         DFlashProposer(cfg, 16)
+
+
+def test_random_drafter_spec_with_a_draft_vocabulary(setup):
+    from specjax.config import ConfigError
+    from specjax.llm import build_proposer
+
+    target = setup[0]
+    proposer, weights = build_proposer("dflash", target, "random:2:100", block_size=4)
+    assert proposer.cfg.num_layers == 2 and proposer.cfg.draft_vocab_size == 100
+    assert weights.draft_ids.shape == (100,)
+    assert build_proposer("dflash", target, "random")[0].cfg.draft_vocab_size == 0
+    with pytest.raises(ConfigError, match="random\\[:LAYERS\\[:DRAFT_VOCAB\\]\\]"):
+        build_proposer("dflash", target, "random:two")

@@ -219,7 +219,8 @@ def register(sub) -> None:
     k.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
     k.add_argument("--batch", type=int, default=1)
     k.add_argument("--repeats", type=int, default=15)
-    k.add_argument("--drafter", default=None, help="also time the DFlash drafter (dir or random[:LAYERS[:DRAFT_VOCAB]])")
+    k.add_argument("--drafter", default=None,
+                   help="also time the DFlash drafter (dir or random[:LAYERS[:DRAFT_VOCAB]])")
     k.add_argument("--draft-blocks", default="4,8,16", help="drafter block sizes to time")
     k.add_argument("--out-dir", default=None, help="write kflat.json and kflat.png here")
     k.add_argument("--compile-cache", default=DEFAULT_CACHE)

@@ -55,7 +55,7 @@ class TargetWeights:
 
     @property
     def output_head(self) -> jax.Array:
-        """[D, V] view of the LM head, the operand the drafters' token-major heads take."""
+        """[D, V] view of the LM head: the operand of the training objectives' token-major heads."""
         return self.vocab_rows.T
 
 
