@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ def build_proposer(method: str, target: LoadedModel, drafter: str | None, block_
         cfg = drafter_config_for(target.config, num_layers=layers, block_size=block_size or 16,
                                  draft_vocab_size=vocab)
         weights = init_drafter(cfg, jax.random.PRNGKey(seed), dtype=dtype)
+        if vocab:  # the first ids stand in for a trained draft vocabulary (timing only)
+            weights = dataclasses.replace(weights, draft_ids=jnp.arange(vocab, dtype=jnp.int32))
     else:
         cfg, weights = load_drafter(drafter, target.config, dtype)
     return DFlashProposer(cfg, block_size or cfg.block_size), weights

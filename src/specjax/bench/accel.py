@@ -12,6 +12,7 @@ every measurement, so a run cut short still leaves what it measured.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -87,6 +88,8 @@ def check_preset(name: str, qs, context: int, repeats: int, dtype, deadline: flo
     tw = random_target(tcfg, jax.random.PRNGKey(0), dtype)
     dcfg = drafter_config_for(tcfg, mask_token_id=0, **dspec)
     dw = init_drafter(dcfg, jax.random.PRNGKey(1), dtype=dtype)
+    if dcfg.draft_vocab_size:
+        dw = dataclasses.replace(dw, draft_ids=jnp.arange(dcfg.draft_vocab_size, dtype=jnp.int32))
     block = dcfg.block_size
     out = record["presets"][name] = {
         "target": {"family": tcfg.family, "layers": tcfg.num_layers, "hidden": tcfg.hidden_size,

@@ -193,10 +193,7 @@ def init_drafter(cfg: DrafterConfig, key: jax.Array, std: float = 0.02, dtype=jn
     ) for _ in range(cfg.num_layers))
     return DFlashWeights(fc=normal((cfg.num_taps * cfg.target_hidden_size, h)), hidden_norm=ones(h), layers=layers,
                          norm=ones(h), mask_embedding=normal((h,)) if cfg.has_mask_embedding else None,
-                         slot_embedding=normal((cfg.block_size, h)) if cfg.has_slot_embedding else None,
-                         # a draft vocabulary needs ids to be usable: the first V_d (a trainer sets its own)
-                         draft_ids=jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32) if cfg.draft_vocab_size
-                         else None)
+                         slot_embedding=normal((cfg.block_size, h)) if cfg.has_slot_embedding else None)
 
 
 def is_drafter_dir(path: str) -> bool:
