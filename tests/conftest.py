@@ -1,5 +1,6 @@
 """Test environment: JAX on the CPU in float32, shared tiny random checkpoints in the real HF formats."""
 
+import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -16,6 +17,16 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 
 from tests import helpers  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test file.  XLA:CPU maps each executable's code into a few memory
+    regions and jax's caches keep them all alive; one process running the whole suite used to approach the
+    kernel's 65,530-mapping limit (vm.max_map_count) and segfault inside a compile."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

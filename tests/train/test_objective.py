@@ -176,6 +176,31 @@ def test_labels_and_weights_match_a_python_loop(setup):
                     assert labels[i, j, k - 1] == tokens[i, p]
 
 
+def test_dpace_weights_match_the_paper_formula():
+    from specjax.train.objective import dpace_weights
+
+    rng = np.random.default_rng(4)
+    ce = rng.uniform(0.0, 4.0, (3, 5, 7)).astype(np.float32)
+    inside = np.ones((3, 5, 7), bool)
+    inside[1, 2, 4:] = False  # the response ends inside this block
+    scored = inside.copy()
+    scored[2, 0, 1] = False  # label outside the draft vocabulary: never accepted
+    alpha = 0.5
+    w = np.asarray(dpace_weights(jnp.asarray(ce), jnp.asarray(inside), jnp.asarray(scored), alpha))
+    for idx in np.ndindex(3, 5):
+        q = np.where(scored[idx], (1 - alpha) * np.exp(-ce[idx]) + alpha, alpha)
+        prefix = [np.prod(q[:m + 1]) if inside[idx][m] else 0.0 for m in range(7)]
+        expect = [sum(prefix[j:]) if scored[idx][j] else 0.0 for j in range(7)]
+        np.testing.assert_allclose(w[idx], expect, rtol=1e-5, atol=1e-7)
+    assert (np.diff(w[0], axis=-1) <= 1e-6).all()  # earlier slots always weigh at least as much
+    # alpha = 1 ignores confidence: slot j weighs the number of slots from j to the end of the response
+    w1 = np.asarray(dpace_weights(jnp.asarray(ce), jnp.asarray(inside), jnp.asarray(inside), 1.0))
+    np.testing.assert_allclose(w1[1, 2], [4, 3, 2, 1, 0, 0, 0])
+    # the weights carry no gradient: D-PACE reweights the cross-entropy, it does not optimize the confidence
+    g = jax.grad(lambda c: dpace_weights(c, jnp.asarray(inside), jnp.asarray(scored), alpha).sum())(jnp.asarray(ce))
+    assert not np.asarray(g).any()
+
+
 def test_a_few_steps_reduce_the_loss(setup):
     target, cfg, weights, tokens, taps, loss_mask, lengths = setup
     anchors, keep = sample_anchors(np.random.default_rng(2), loss_mask, lengths, 8, Q)
@@ -183,6 +208,8 @@ def test_a_few_steps_reduce_the_loss(setup):
     args = (w.embed, w.output_head, jnp.asarray(tokens), jnp.asarray(taps), jnp.asarray(loss_mask),
             jnp.asarray(lengths), jnp.asarray(anchors), jnp.asarray(keep))
     losses = adam_losses(lambda p: dflash_loss(p, cfg, *args, block_size=Q, gamma=4.0), weights, 30)
+    assert losses[-1] < 0.5 * losses[0], losses
+    losses = adam_losses(lambda p: dflash_loss(p, cfg, *args, block_size=Q, gamma=4.0, dpace_alpha=0.5), weights, 30)
     assert losses[-1] < 0.5 * losses[0], losses
 
 

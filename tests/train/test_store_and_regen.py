@@ -148,6 +148,18 @@ def test_feature_cache_matches_online_features_and_resumes(tiny_dirs, tmp_path):
     store.append("s9", "toy", rng.integers(0, 256, 40), 5, "length")
     with pytest.raises(ValueError, match="built for a store of 5 sequences"):
         cache.check(store, taps, target.config.hidden_size, 96)
+    calls = []  # a grown store extends its cache: only the new sequence runs, the old rows stay
+    grown = build_feature_cache(target, store, str(tmp_path / "c"), taps, max_len=96, batch_tokens=128,
+                                progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(6, 6)]
+    grown.check(store, taps, target.config.hidden_size, 96)
+    np.testing.assert_array_equal(grown.batch([2, 4], 128, (3,)), cached)
+    toks = np.zeros((1, 64), np.int32)
+    toks[0, :40] = [t for _, t in store.sequences()][5]
+    online = np.asarray(target_features(target.weights, jnp.asarray(toks), target.config, (3,)))
+    np.testing.assert_allclose(grown.batch([5], 64, (3,))[0, :40], online[0, :40], rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="other settings or data"):
+        build_feature_cache(target, TokenStore(str(tmp_path / "other"), 300), str(tmp_path / "c"), taps, max_len=96)
 
 
 def run_cli(args: list[str]):

@@ -132,13 +132,16 @@ def cmd_train_drafter(args) -> int:
     from specjax.train.store import TokenStore
     from specjax.train.trainer import DFlashMethod, Eagle3Method, TrainConfig, train_drafter
 
+    if args.dpace_alpha is not None and (args.method != "dflash" or not 0.0 < args.dpace_alpha <= 1.0):
+        raise SystemExit(f"error: --dpace-alpha {args.dpace_alpha} needs --method dflash and 0 < alpha <= 1")
     enable_compile_cache(args.compile_cache)
     target = load_model(args.target, DTYPES["float32"])
     store = TokenStore(args.data)
     ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None
     cfg = TrainConfig(block_size=args.block_size, batch_size=args.batch_size, num_anchors=args.num_anchors,
                       max_len=args.max_len, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
-                      weight_decay=args.weight_decay, gamma=args.gamma, seed=args.seed, save_every=args.save_every,
+                      weight_decay=args.weight_decay, gamma=args.gamma, dpace_alpha=args.dpace_alpha, seed=args.seed,
+                      save_every=args.save_every,
                       eval_every=args.eval_every, schedule=args.schedule, optimizer=args.optimizer,
                       max_hours=args.max_hours, sim_every=args.sim_every)
     vocab = target.config.vocab_size
@@ -166,7 +169,7 @@ def cmd_train_drafter(args) -> int:
         init_layers = tuple(int(x) for x in args.init_target_layers.split(",")) if args.init_target_layers else None
         method = DFlashMethod(dcfg, cfg.block_size, args.num_anchors, cfg.decay,
                               draft_ids=None if draft_ids is None else tuple(int(i) for i in draft_ids),
-                              init_layers=init_layers)
+                              init_layers=init_layers, dpace_alpha=cfg.dpace_alpha)
     else:
         from specjax.drafter.eagle3_loader import eagle3_config_for
 
@@ -269,6 +272,9 @@ def register(sub) -> None:
     t.add_argument("--warmup-ratio", type=float, default=0.04)
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block 16, 4 for block 8)")
+    t.add_argument("--dpace-alpha", type=float, default=None,
+                   help="DFlash: D-PACE slot weights (from the drafter's own confidence, smoothed by this alpha, "
+                        "e.g. 0.5) instead of the fixed decay")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--eval-every", type=int, default=500)

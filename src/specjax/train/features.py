@@ -75,7 +75,8 @@ class FeatureCache:
 
 def build_feature_cache(target, store: TokenStore, out: str, tap_indices, max_len: int, batch_tokens: int = 2048,
                         progress=None) -> FeatureCache:
-    """Run the frozen target over every stored sequence once and write its taps (resumes a partial cache)."""
+    """Run the frozen target over every stored sequence once and write its taps (resumes a partial cache, and
+    extends a complete one when the store has grown since: `specjax regenerate` only appends)."""
     from specjax.train.trainer import target_features
 
     tap_indices = tuple(sorted(set(tap_indices)))
@@ -87,8 +88,9 @@ def build_feature_cache(target, store: TokenStore, out: str, tap_indices, max_le
     if os.path.isfile(meta_path):
         with open(meta_path, encoding="utf-8") as fh:
             old = json.load(fh)
-        if {k: v for k, v in old.items() if k not in ("done", "store")} != \
-                {k: v for k, v in meta.items() if k not in ("done", "store")}:
+        settings = ("tap_indices", "hidden_size", "max_len")
+        grown = old["lengths"] == lengths[:len(old["lengths"])]  # the store is append-only: keep what is cached
+        if any(old[k] != meta[k] for k in settings) or not grown:
             raise ValueError(f"{out} holds a feature cache built with other settings or data; use a new --out")
         meta["done"] = old["done"]
     os.makedirs(out, exist_ok=True)

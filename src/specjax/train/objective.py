@@ -112,12 +112,24 @@ def labels_and_weights(tokens, loss_mask, lengths, anchors, keep, block_size: in
     return labels, weights.astype(jnp.float32)
 
 
+def dpace_weights(ce, inside, scored, alpha: float):
+    """D-PACE slot weights (arXiv 2605.18810) from the drafter's own detached confidence q = exp(-CE), smoothed to
+    q~ = (1 - alpha) q + alpha: w_j = sum_{m >= j} prod_{i <= m} q~_i, the expected accepted length's stake in
+    slot j.  Slots inside the response but unscorable (label outside the draft vocabulary) can never be accepted
+    (q~ = alpha); slots past the response end neither stop acceptance nor add to the sum.  -> [..., Q-1] weights."""
+    q = (1.0 - alpha) * jnp.exp(-jax.lax.stop_gradient(ce)) + alpha
+    q = jnp.where(scored, q, jnp.where(inside, alpha, 1.0))
+    prefix = jnp.cumprod(q, axis=-1) * inside
+    return jnp.flip(jnp.cumsum(jnp.flip(prefix, -1), -1), -1) * scored
+
+
 def dflash_loss(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, tokens, taps, loss_mask, lengths,
-                anchors, keep, block_size: int, gamma: float, t2d=None):
+                anchors, keep, block_size: int, gamma: float, t2d=None, dpace_alpha: float | None = None):
     """Weighted cross-entropy (sum w * CE / sum w) and unweighted accuracy / per-slot accuracy over the mask.
 
     With a draft vocabulary, `output_head` holds its rows [H, V_d] and `t2d` [V] maps target ids to draft
     indices (-1 outside): labels outside the draft vocabulary get no loss and count as misses in the accuracy.
+    `dpace_alpha`: weight slots by D-PACE (`dpace_weights`) instead of the fixed exp(-(k-1)/gamma) decay.
     """
     logits = block_logits(weights, cfg, embed, output_head, tokens, taps, anchors, keep, block_size)
     labels, w = labels_and_weights(tokens, loss_mask, lengths, anchors, keep, block_size, gamma)
@@ -128,6 +140,8 @@ def dflash_loss(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, 
     logz = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
     ce = logz - target
+    if dpace_alpha is not None:
+        w = dpace_weights(ce, valid > 0, w > 0, dpace_alpha)
     loss = (w * ce).sum() / (w.sum() + 1e-6)
     correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * valid
     per_slot = correct.sum((0, 1)) / jnp.maximum(valid.sum((0, 1)), 1.0)

@@ -43,6 +43,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     gamma: float | None = None  # loss decay; None = paper values (7 for Q=16, 5 for Q=10, 4 for Q=8)
+    dpace_alpha: float | None = None  # DFlash: D-PACE slot weights with this smoothing instead of the decay
     seed: int = 0
     save_every: int = 200
     eval_every: int = 500
@@ -175,6 +176,17 @@ def init_from_target(params, dcfg: DrafterConfig, target, layers: tuple[int, ...
     return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), params)
 
 
+MUON_MATRICES = ("fc", "w_q", "w_kv", "w_o", "w_gate_up", "w_down")
+
+
+def muon_matrices(params):
+    """Muon orthogonalizes the drafters' projection matrices ([in, out]); embeddings, heads and norms get AdamW."""
+    def dims(path, leaf):
+        name = getattr(path[-1], "name", None)
+        return optax.contrib.MuonDimensionNumbers(0, 1) if name in MUON_MATRICES and leaf.ndim == 2 else None
+    return jax.tree_util.tree_map_with_path(dims, params)
+
+
 def make_optimizer(cfg: TrainConfig):
     warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
     if cfg.schedule == "cosine":
@@ -187,8 +199,10 @@ def make_optimizer(cfg: TrainConfig):
     if cfg.optimizer == "adamw":
         opt = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
     elif cfg.optimizer == "muon":
-        opt = optax.contrib.muon(schedule, weight_decay=cfg.weight_decay, adam_b2=0.95,
-                                 adam_learning_rate=lambda step: schedule(step) / 10)
+        # consistent_rms=0.2 scales each orthogonalized update to AdamW's typical RMS (Liu et al. 2025), so one
+        # --lr means the same step size for both optimizers and an A/B changes only the update's direction
+        opt = optax.contrib.muon(schedule, weight_decay=cfg.weight_decay, adam_b2=0.95, consistent_rms=0.2,
+                                 muon_weight_dimension_numbers=muon_matrices)
     else:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r} (adamw, muon)")
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt), schedule
@@ -206,6 +220,7 @@ class DFlashMethod:
     name: str = "dflash"
     draft_ids: tuple[int, ...] | None = None
     init_layers: tuple[int, ...] | None = None  # copy these target layers into the drafter (see init_from_target)
+    dpace_alpha: float | None = None  # D-PACE slot weights (objective.dpace_weights) instead of the fixed decay
 
     @property
     def tap_indices(self):
@@ -244,7 +259,7 @@ class DFlashMethod:
     def loss(self, params, consts, tokens, taps, mask, lengths, extra):
         embed, head, t2d = consts
         return dflash_loss(params, self.dcfg, embed, head, tokens, taps, mask, lengths, *extra, self.block_size,
-                           self.gamma, t2d)
+                           self.gamma, t2d, self.dpace_alpha)
 
     def simulate(self, params, consts, tokens, taps, mask, lengths, anchors, keep):
         embed, head, t2d = consts
