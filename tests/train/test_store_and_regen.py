@@ -22,11 +22,16 @@ def test_store_survives_a_torn_write(tmp_path):
         fh.write(np.asarray([7, 7, 7], np.uint16).tobytes())
     with open(tmp_path / "s" / "index.jsonl", "a") as fh:  # ... and a torn index line
         fh.write('{"id": "c", "sou')
+    files = {f: (tmp_path / "s" / f).read_bytes() for f in ("tokens.bin", "index.jsonl", "meta.json")}
     again = TokenStore(str(tmp_path / "s"))
     assert len(again) == 2 and again.num_tokens == 5 and again.ids == {"a", "b"}
     assert [list(t) for _, t in again.sequences()] == [[1, 2, 3], [4, 5]]
-    again.append("c", "x", [9], 0, "stop")
+    # opening never writes: several training runs read one store at once (and a reader must not cut the tokens
+    # a running writer has flushed before their index line)
+    assert {f: (tmp_path / "s" / f).read_bytes() for f in files} == files
+    again.append("c", "x", [9], 0, "stop")  # the first append repairs the torn tail
     assert [list(t) for _, t in TokenStore(str(tmp_path / "s")).sequences()][-1] == [9]
+    assert (tmp_path / "s" / "tokens.bin").stat().st_size == 6 * 2
     with pytest.raises(ValueError, match="holds vocab_size=300"):
         TokenStore(str(tmp_path / "s"), vocab_size=49152)
 

@@ -5,9 +5,10 @@ Layout of a store directory:
   tokens.bin   all sequences back to back (uint16 when the vocabulary fits, else uint32)
   index.jsonl  one line per finished sequence: id, source, offset, length, prompt_len, finish_reason
 
-A sequence is durable once its index line is written (tokens are flushed and fsynced first).  On open, bytes
-past the last indexed sequence (a crash mid-write) are truncated, so an interrupted run resumes without losing
-or duplicating finished work.
+A sequence is durable once its index line is written (tokens are flushed and fsynced first).  Opening a store
+never writes: readers (training runs, often several at once, or beside a writer) ignore a torn last index line
+and token bytes past the last indexed sequence.  The first append repairs them (a crash mid-write), so an
+interrupted run resumes without losing or duplicating finished work.
 """
 
 from __future__ import annotations
@@ -38,21 +39,28 @@ class TokenStore:
         self.dtype = np.dtype(self.meta["dtype"])
         self.index: list[dict] = []
         index_path = os.path.join(path, "index.jsonl")
+        self._torn = False  # a torn index line to drop before the next append
         if os.path.isfile(index_path):
             with open(index_path, encoding="utf-8") as fh:
                 for line in fh:
                     try:
                         self.index.append(json.loads(line))
                     except json.JSONDecodeError:
-                        break  # a torn last line: everything after it is dropped
-            with open(index_path, "w", encoding="utf-8") as fh:  # rewrite without a torn tail
-                fh.writelines(json.dumps(r) + "\n" for r in self.index)
-        end = (self.index[-1]["offset"] + self.index[-1]["length"]) if self.index else 0
-        tokens_path = os.path.join(path, "tokens.bin")
-        with open(tokens_path, "ab") as fh:
-            fh.truncate(end * self.dtype.itemsize)
+                        self._torn = True  # a torn last line: everything from it on is ignored
+                        break
         self.ids = {r["id"] for r in self.index}
-        self._end = end
+        self._end = (self.index[-1]["offset"] + self.index[-1]["length"]) if self.index else 0
+        self._repaired = False
+
+    def _repair(self) -> None:
+        """Before the first append: drop a torn index tail and token bytes no index line covers."""
+        if self._torn:
+            with open(os.path.join(self.path, "index.jsonl"), "w", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in self.index)
+        with open(os.path.join(self.path, "tokens.bin"), "ab") as fh:
+            if fh.tell() > self._end * self.dtype.itemsize:
+                fh.truncate(self._end * self.dtype.itemsize)
+        self._torn, self._repaired = False, True
 
     def __len__(self) -> int:
         return len(self.index)
@@ -63,6 +71,8 @@ class TokenStore:
 
     def append(self, seq_id: str, source: str, token_ids, prompt_len: int, finish_reason: str | None) -> None:
         arr = np.asarray(token_ids, dtype=self.dtype)
+        if not self._repaired:
+            self._repair()
         with open(os.path.join(self.path, "tokens.bin"), "ab") as fh:
             fh.write(arr.tobytes())
             fh.flush()
