@@ -20,10 +20,12 @@ def enable_compile_cache(path: str | None) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="HF model directory, .gguf file, or hub name ORG/NAME[@REVISION] (HF cache; HF_HUB_OFFLINE "
+                        "respected) (default: embedded SmolLM2-135M)")
     p.add_argument("--drafter", default=None,
-                   help="drafter directory (DFlash z-lab format, or EAGLE-3 for --method eagle3), or random[:LAYERS];"
-                        " default: the shipped drafter")
+                   help="drafter directory or hub name (DFlash z-lab format, or EAGLE-3 for --method eagle3), or "
+                        "random[:LAYERS[:DRAFT_VOCAB]]; default: the shipped drafter")
     p.add_argument("--method", default=None, choices=["ar", "dflash", "ngram", "eagle3"],
                    help="decoding method (default: dflash when a drafter is available, else ar)")
     p.add_argument("--ngram", default="1,3", help="n-gram lookup: min,max n (method ngram)")

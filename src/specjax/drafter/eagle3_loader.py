@@ -13,6 +13,7 @@ import numpy as np
 
 from specjax.config import ConfigError, ModelConfig
 from specjax.drafter.eagle3 import Eagle3Config, Eagle3Weights
+from specjax.model import hub
 from specjax.model.loader import CheckpointError, TensorReader, read_json, read_safetensors_dir
 
 NAMES = {
@@ -69,6 +70,7 @@ def check_target(cfg: Eagle3Config, target: ModelConfig) -> None:
 
 
 def load_eagle3(path: str, target: ModelConfig, dtype=jnp.float32):
+    path = hub.resolve(path, "EAGLE-3 drafter")
     if not os.path.isdir(path):
         raise CheckpointError(f"EAGLE-3 drafter path is not a directory: {path}")
     cfg = config_from_hf(read_json(os.path.join(path, "config.json"), "EAGLE-3 config.json"), target)

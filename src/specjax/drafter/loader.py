@@ -21,6 +21,7 @@ import numpy as np
 
 from specjax.config import DrafterConfig, ModelConfig, RopeConfig, default_target_layer_ids
 from specjax.drafter.dflash import DFlashWeights, DrafterLayer
+from specjax.model import hub
 from specjax.model.loader import CheckpointError, TensorReader, read_json, read_safetensors_dir
 
 
@@ -46,7 +47,9 @@ def canonical_name(name: str) -> str:
 
 
 def load_drafter(path: str, target: ModelConfig | None = None, dtype=jnp.float32):
-    """Read a z-lab DFlash checkpoint directory -> (DrafterConfig, DFlashWeights).  With `target`, check fit."""
+    """Read a z-lab DFlash checkpoint directory (or hub name) -> (DrafterConfig, DFlashWeights).  With `target`,
+    check fit."""
+    path = hub.resolve(path, "drafter")
     if not os.path.isdir(path):
         raise CheckpointError(f"drafter path is not a directory: {path}")
     cfg = DrafterConfig.from_hf(read_json(os.path.join(path, "config.json"), "drafter config.json"))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ConfigError, ModelConfig, RopeConfig
+from specjax.model import hub
 from specjax.model.target import TargetLayer, TargetWeights
 from specjax.model.tokenizer import Tokenizer
 
@@ -357,9 +358,11 @@ def default_model_path() -> str:
 
 
 def load_model(path: str | None = None, dtype=jnp.float32) -> LoadedModel:
-    """Load a target from a HF directory, a .gguf file, or (None / "default") the embedded SmolLM2."""
+    """Load a target from a HF directory, a .gguf file, a hub name ("org/name[@revision]", see model/hub.py), or
+    (None / "default") the embedded SmolLM2."""
     if path in (None, "default"):
         path = default_model_path()
+    path = hub.resolve(path, "model")
     if os.path.isdir(path):
         return load_hf_dir(path, dtype)
     if os.path.isfile(path):
