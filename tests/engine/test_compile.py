@@ -18,7 +18,9 @@ def test_no_retrace_after_warmup(tiny_dirs):
     engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 4), dw,
                        EngineConfig(page_size=4, max_model_len=128, max_num_seqs=1, prefill_chunk=32))
     prompt, new = list(range(3, 50)), 60
-    engine.warmup(len(prompt), len(prompt) + new, modes=(GREEDY,))
+    seen = []  # the progress callback sees every shape, in order, with the total known from the start
+    n = engine.warmup(len(prompt), len(prompt) + new, modes=(GREEDY,), progress=lambda d, t: seen.append((d, t)))
+    assert n > 1 and seen == [(i, n) for i in range(1, n + 1)]
     sizes = (runner.prefill_step._cache_size(), runner.decode_step._cache_size(), runner.commit._cache_size())
     [seq] = engine.generate([prompt], SamplingParams(max_new_tokens=new, ignore_eos=True))
     assert len(seq.output_ids) == new

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")
 
@@ -36,6 +37,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights/activations dtype (float32 is fastest on CPU)")
     p.add_argument("--compile-cache", default=DEFAULT_CACHE, help="persistent XLA cache dir ('' to disable)")
+
+
+class StderrProgress:
+    """A `progress(done, total)` callback drawn as one tqdm line on stderr (n of N, elapsed, time left) while a
+    user waits; silent when stderr is not a terminal (logs keep the summary line the caller prints)."""
+
+    def __init__(self, desc: str, unit: str = "shape"):
+        self.desc, self.unit, self.bar = desc, unit, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, disable=None, leave=False)
+        self.bar.update(done - self.bar.n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def histogram_lines(taus: list[int], width: int = 30) -> list[str]:

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from specjax.cli.common import add_model_args, enable_compile_cache, histogram_lines
+from specjax.cli.common import StderrProgress, add_model_args, enable_compile_cache, histogram_lines
 
 
 def cmd_generate(args) -> int:
@@ -31,7 +31,8 @@ def cmd_generate(args) -> int:
     if args.warmup:
         t0 = time.perf_counter()
         mode = GREEDY if params.is_greedy else SAMPLE_FILTERED if params.needs_filter else SAMPLE
-        n = engine.warmup(len(ids), len(ids) + params.max_new_tokens, modes=(mode,))
+        with StderrProgress("compiling step shapes") as progress:
+            n = engine.warmup(len(ids), len(ids) + params.max_new_tokens, modes=(mode,), progress=progress)
         print(f"[compiled/loaded {n} step shapes in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
     [res] = llm.generate([ids], params, on_text=lambda i, d: print(d, end="", flush=True))
     print()

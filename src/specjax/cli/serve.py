@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from specjax.cli.common import add_model_args, enable_compile_cache, machine_info
+from specjax.cli.common import StderrProgress, add_model_args, enable_compile_cache, machine_info
 
 
 def build_server(args):
@@ -29,7 +29,8 @@ def build_server(args):
     if args.warmup:
         t0 = time.perf_counter()
         modes = (GREEDY, SAMPLE, SAMPLE_FILTERED) if args.warmup_sampling else (GREEDY,)
-        n = llm.engine.warmup_all(modes=modes)
+        with StderrProgress("warm-up: compiling step shapes") as progress:
+            n = llm.engine.warmup_all(modes=modes, progress=progress)
         print(f"[warm-up: {n} step shapes compiled/loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
     service = EngineService(llm.engine, llm.target.tokenizer,
                             Metrics(max(1, llm.engine.num_draft)))
@@ -40,6 +41,8 @@ def build_server(args):
 def cmd_serve(args) -> int:
     import uvicorn
 
+    print(f"specjax serve: loading {args.model or 'the embedded SmolLM2-135M-Instruct'}, then compiling every step "
+          f"shape; the port opens when ready", file=sys.stderr, flush=True)
     enable_compile_cache(args.compile_cache)
     app, service, llm, _ = build_server(args)
     service.start()

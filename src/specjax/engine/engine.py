@@ -178,10 +178,10 @@ class LLMEngine:
         jax.block_until_ready(out[0])
         return time.perf_counter() - t0
 
-    def warmup(self, prompt_lens, total_len: int, batch_sizes=(1,), modes=(GREEDY,)) -> int:
+    def warmup(self, prompt_lens, total_len: int, batch_sizes=(1,), modes=(GREEDY,), progress=None) -> int:
         """Compile the step shapes requests with prompts of `prompt_lens` (an int or a list) growing to
         `total_len` tokens will use, with dummy inputs whose slots are all -1 (the caches are untouched).
-        Returns the number of shapes run."""
+        `progress(done, total)` is called after each shape.  Returns the number of shapes run."""
         prompt_lens = [prompt_lens] if isinstance(prompt_lens, int) else list(prompt_lens)
         total_len = min(total_len, self.config.max_model_len)
         chunk = self.config.prefill_chunk
@@ -189,31 +189,33 @@ class LLMEngine:
         prefill_t = {pick_bucket(n, self.prefill_buckets) for n in tokens}
         decode_pages = {self._pages_bucket(min(n + k, self.config.max_model_len))
                         for n in range(min(prompt_lens) + 1, total_len + 1) for k in self.k_options}
-        return self._warm(sorted(prefill_t), sorted(decode_pages), batch_sizes, modes)
+        return self._warm(sorted(prefill_t), sorted(decode_pages), batch_sizes, modes, progress)
 
-    def warmup_all(self, modes=(GREEDY,)) -> int:
+    def warmup_all(self, modes=(GREEDY,), progress=None) -> int:
         """Compile every shape this engine can produce (server start-up): no compilation after this."""
-        return self._warm(self.prefill_buckets, self.page_buckets, self.batch_buckets, modes)
+        return self._warm(self.prefill_buckets, self.page_buckets, self.batch_buckets, modes, progress)
 
-    def _warm(self, prefill_t, decode_pages, batch_sizes, modes) -> int:
-        count = 0
+    def _warm(self, prefill_t, decode_pages, batch_sizes, modes, progress=None) -> int:
         full = pick_bucket(self.config.max_pages_per_seq, self.page_buckets)
+        jobs = []  # (prefill?, batch, tokens or K, pages, mode): listed first so progress knows the total
         for mode in modes:
             for b in sorted({pick_bucket(min(x, self.prefill_batch_buckets[-1]), self.prefill_batch_buckets)
                              for x in batch_sizes}):
-                for t in prefill_t:
-                    self._run_prefill(b, t, full, mode)
-                    count += 1
+                jobs += [(True, b, t, full, mode) for t in prefill_t]
             for b in sorted({pick_bucket(x, self.batch_buckets) for x in batch_sizes}):
-                for k in self.k_options:
-                    for pg in decode_pages:
-                        self._run_decode(b, k, pg, mode)  # compiles
-                        if self.controller is not None:  # two timed runs: the cost model's prior
-                            for _ in range(2):
-                                self.controller.record_cost(b, k, pg, self._run_decode(b, k, pg, mode))
-                        count += 1
+                jobs += [(False, b, k, pg, mode) for k in self.k_options for pg in decode_pages]
+        for i, (prefill, b, n, pg, mode) in enumerate(jobs):
+            if prefill:
+                self._run_prefill(b, n, pg, mode)
+            else:
+                self._run_decode(b, n, pg, mode)  # compiles
+                if self.controller is not None:  # two timed runs: the cost model's prior
+                    for _ in range(2):
+                        self.controller.record_cost(b, n, pg, self._run_decode(b, n, pg, mode))
+            if progress is not None:
+                progress(i + 1, len(jobs))
         jax.block_until_ready(self.kv)
-        return count
+        return len(jobs)
 
     # ------------------------------------------------------------------------------------------------ schedule
     def _step_tokens(self, seq: Sequence) -> int:
