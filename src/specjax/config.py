@@ -366,7 +366,10 @@ class EngineConfig:
     page_size: int = 16
     """Tokens per KV page."""
     num_pages: int = 0
-    """Pages in the pool, scratch page included; 0 = enough for max_num_seqs full-length sequences."""
+    """Pages in the pool, scratch page included; 0 = enough for max_num_seqs full-length sequences (or, with
+    kv_cache_memory, as many as fit in it)."""
+    kv_cache_memory: int = 0
+    """Bytes for the KV pool (target + drafter pages); 0 = size it from num_pages.  Excludes num_pages."""
     max_model_len: int = 2048
     """Longest sequence (prompt + output) the engine accepts; capped by the model's max positions."""
     max_num_seqs: int = 8
@@ -392,6 +395,9 @@ class EngineConfig:
                 raise ConfigError(f"engine {name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 0:
             raise ConfigError(f"engine num_pages must be >= 0, got {self.num_pages}")
+        if self.kv_cache_memory < 0 or (self.kv_cache_memory and self.num_pages):
+            raise ConfigError(f"kv_cache_memory={self.kv_cache_memory} must be >= 0 and cannot be combined with "
+                              f"num_pages={self.num_pages}: give the pool in bytes or in pages")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
             raise ConfigError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if self.page_bucket_factor < 2:

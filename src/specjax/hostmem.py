@@ -1,4 +1,5 @@
-"""Host allocator setting for XLA:CPU: reuse freed memory instead of unmapping it after every step.
+"""Host memory: the allocator setting for XLA:CPU (reuse freed memory instead of unmapping it after every step)
+and the process's resident size.
 
 XLA:CPU takes each execution's temporaries (for a batched decode step, tens to hundreds of MB of gathered KV
 pages) from malloc.  glibc serves blocks above its mmap threshold with a fresh mmap and unmaps them on free, so
@@ -27,3 +28,15 @@ def keep_freed_memory() -> bool:
                     and libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
     except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
         return False
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (Linux /proc), else its peak (getrusage), in bytes."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024

@@ -5,6 +5,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from specjax.cli import main
@@ -114,6 +115,32 @@ def test_engine_config_errors(target, drafter_dir):
         LLMEngine(target.config, target.weights, config=EngineConfig(max_model_len=4096))
     with pytest.raises(ConfigError, match="block_size must be >= 2"):
         DFlashProposer(cfg, 1)
+
+
+def test_kv_pool_sized_from_a_memory_budget(target, drafter_dir):
+    from specjax.cli.common import parse_bytes
+    from specjax.engine.engine import page_bytes
+
+    cfg, w = load_drafter(drafter_dir, target.config)
+    proposer = DFlashProposer(cfg, 4)
+    tc = target.config
+    per_page = page_bytes(tc, proposer, 4, jnp.float32)  # target and drafter K/V rows of 4 tokens, float32
+    assert per_page == 4 * 2 * 4 * (tc.num_layers * tc.num_kv_heads * tc.head_dim
+                                    + cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)
+    budget = 40 * per_page + per_page // 2
+    engine = LLMEngine(tc, target.weights, proposer, w, EngineConfig(max_model_len=64, page_size=4,
+                                                                     kv_cache_memory=budget))
+    assert engine.config.pool_pages == 40
+    used = sum(sum(d.values()) for part, d in engine.memory_bytes().items() if part in ("kv_pool", "drafter_state"))
+    assert used == 40 * per_page <= budget
+    with pytest.raises(ConfigError, match=r"holds 10 KV pages .* needs 17 .* raise the budget or lower max_model_len"):
+        LLMEngine(tc, target.weights, proposer, w, EngineConfig(max_model_len=64, page_size=4,
+                                                                kv_cache_memory=10 * per_page))
+    with pytest.raises(ConfigError, match="cannot be combined with num_pages"):
+        EngineConfig(kv_cache_memory=10 ** 6, num_pages=8)
+    assert parse_bytes("2GiB") == 2 ** 31 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("4096") == 4096
+    with pytest.raises(Exception, match="is not a size"):
+        parse_bytes("2 lots")
 
 
 def test_abort_frees_pages(target):

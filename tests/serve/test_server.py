@@ -151,8 +151,18 @@ def test_metrics_exposes_acceptance_and_pages(server):
     for name in ("specjax_requests_total", "specjax_time_to_first_token_seconds_bucket",
                  "specjax_time_per_output_token_seconds_bucket", "specjax_spec_decode_mean_acceptance_length",
                  "specjax_spec_decode_num_accepted_tokens_per_pos_total", "specjax_spec_decode_num_draft_tokens_total",
-                 "specjax_kv_pages_in_use"):
+                 "specjax_kv_pages_in_use", "process_resident_memory_bytes"):
         assert name in text, name
+    # device bytes per part: the KV pool is exactly layers x (k, v) x pool tokens x kv heads x head dim x 4 bytes
+    engine = server[1].engine
+    cfg, tcfg = engine.config, engine.tcfg
+    pool = tcfg.num_layers * 2 * cfg.pool_pages * cfg.page_size * tcfg.num_kv_heads * tcfg.head_dim * 4
+    mem = engine.memory_bytes()
+    assert sum(mem["kv_pool"].values()) == pool
+    line = f'specjax_memory_bytes{{device="{next(iter(mem["kv_pool"]))}",part="kv_pool"}} '
+    assert float(text.split(line)[1].split()[0]) == pool
+    weights = sum(a.nbytes for a in __import__("jax").tree_util.tree_leaves(engine.tweights))
+    assert sum(mem["weights"].values()) <= weights and set(mem) == {"weights", "drafter", "kv_pool", "drafter_state"}
 
 
 def test_stop_strings_cut_the_text(server):

@@ -39,6 +39,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-cache", default=DEFAULT_CACHE, help="persistent XLA cache dir ('' to disable)")
 
 
+UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30}
+
+
+def parse_bytes(text: str) -> int:
+    """"2GiB", "1.5GB", "512MiB", "1000000" -> bytes (argparse type: a bad size is a usage error naming it)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a number with B, KB, MB, GB, KiB, "
+                                         "MiB or GiB")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
 class StderrProgress:
     """A `progress(done, total)` callback drawn as one tqdm line on stderr (n of N, elapsed, time left) while a
     user waits; silent when stderr is not a terminal (logs keep the summary line the caller prints)."""

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from specjax.cli.common import StderrProgress, add_model_args, enable_compile_cache, machine_info
+from specjax.cli.common import StderrProgress, add_model_args, enable_compile_cache, machine_info, parse_bytes
 
 
 def build_server(args):
@@ -21,7 +21,8 @@ def build_server(args):
     from specjax.serve.service import EngineService
 
     cfg = EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                       num_pages=args.num_pages, num_draft_tokens=args.num_draft_tokens,
+                       num_pages=args.num_pages, kv_cache_memory=args.kv_cache_memory,
+                       num_draft_tokens=args.num_draft_tokens,
                        adaptive_k=args.adaptive_k and args.method != "ar", prefill_chunk=args.prefill_chunk,
                        page_bucket_factor=args.page_bucket_factor)
     llm = LLM(args.model, args.drafter, args.method, args.block_size, cfg, dtype=args.dtype,
@@ -32,10 +33,25 @@ def build_server(args):
         with StderrProgress("warm-up: compiling step shapes") as progress:
             n = llm.engine.warmup_all(modes=modes, progress=progress)
         print(f"[warm-up: {n} step shapes compiled/loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
-    service = EngineService(llm.engine, llm.target.tokenizer,
-                            Metrics(max(1, llm.engine.num_draft)))
+    print(memory_line(llm.engine.memory_bytes(), llm.engine.config), file=sys.stderr)
+    service = EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft)))
     name = args.served_model_name or os.path.basename(str(llm.target.source)).removesuffix(".gguf")
     return create_app(service, name, args.default_max_tokens), service, llm, name
+
+
+def memory_line(memory: dict[str, dict[str, int]], cfg) -> str:
+    """One start-up line: device bytes per part (per device when there are several) and the process RSS."""
+    from specjax.hostmem import resident_bytes
+
+    def gb(n: int) -> str:
+        return f"{n / 2 ** 30:.2f} GiB"
+
+    parts = []
+    for part, devices in memory.items():
+        each = "" if len(devices) < 2 else " (" + ", ".join(f"{d} {gb(n)}" for d, n in devices.items()) + ")"
+        parts.append(f"{part} {gb(sum(devices.values()))}{each}")
+    pool = f"{(cfg.pool_pages - 1) * cfg.page_size} tokens"
+    return f"[memory: {', '.join(parts)} (KV pool: {pool}); process resident {gb(resident_bytes())}]"
 
 
 def cmd_serve(args) -> int:
@@ -184,6 +200,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch")
     p.add_argument("--num-pages", type=int, default=0, help="KV pool pages (0 = max_num_seqs full sequences)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=0,
+                   help="KV pool size in bytes, e.g. 2GiB or 512MB (target + drafter pages; instead of --num-pages)")
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--page-bucket-factor", type=int, default=4,
                    help="KV-page bucket growth: fewer shapes to compile at start-up vs. padded gathers")

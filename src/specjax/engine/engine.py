@@ -11,6 +11,7 @@ step by engine/controller.py.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -44,6 +45,29 @@ class StepOutput:
     finish_reason: str | None
 
 
+def page_bytes(tcfg: ModelConfig, proposer, page_size: int, dtype) -> int:
+    """Device bytes one KV page costs: the target's K and V rows plus the proposer's paged state, if any."""
+    target = tcfg.num_layers * 2 * page_size * tcfg.num_kv_heads * tcfg.head_dim * jnp.dtype(dtype).itemsize
+
+    def state_bytes(pages: int) -> int:
+        shapes = jax.eval_shape(lambda: proposer.init_state(pages, page_size, dtype))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
+
+    return target + state_bytes(2) - state_bytes(1)
+
+
+def pool_from_budget(config: EngineConfig, tcfg: ModelConfig, proposer, dtype) -> EngineConfig:
+    """`config` with num_pages = the pages that fit in kv_cache_memory (scratch page included)."""
+    per_page = page_bytes(tcfg, proposer, config.page_size, dtype)
+    pages = config.kv_cache_memory // per_page
+    if pages < config.max_pages_per_seq + 1:
+        need = (config.max_pages_per_seq + 1) * per_page
+        raise ConfigError(f"kv_cache_memory={config.kv_cache_memory} bytes holds {pages} KV pages of {per_page} bytes; "
+                          f"one {config.max_model_len}-token sequence needs {config.max_pages_per_seq + 1} "
+                          f"({need / 2 ** 20:.1f} MiB): raise the budget or lower max_model_len")
+    return dataclasses.replace(config, num_pages=int(pages), kv_cache_memory=0)
+
+
 class LLMEngine:
     def __init__(self, tcfg: ModelConfig, tweights: TargetWeights, proposer=None, pweights=None,
                  config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
@@ -52,7 +76,10 @@ class LLMEngine:
         self.proposer = proposer or NoProposer()
         prepare = getattr(self.proposer, "prepare", None)
         self.pweights = prepare(pweights, tweights) if prepare is not None else pweights
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
+        if config.kv_cache_memory:
+            config = pool_from_budget(config, tcfg, self.proposer, tweights.embed.dtype)
+        self.config = config
         if config.max_model_len > tcfg.max_position_embeddings:
             raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's "
                               f"max_position_embeddings={tcfg.max_position_embeddings}")
@@ -90,6 +117,25 @@ class LLMEngine:
         self.last_k: int | None = None
         self.num_preemptions = 0
         self.record_drafts = record_drafts
+
+    def memory_bytes(self) -> dict[str, dict[str, int]]:
+        """Device bytes by part and device: {"weights" (target), "drafter" (arrays not shared with the target),
+        "kv_pool", "drafter_state"} -> {device: bytes}.  Compiled programs and host copies are not included."""
+        seen: set[int] = set()
+
+        def by_device(tree) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for leaf in jax.tree_util.tree_leaves(tree):
+                if not isinstance(leaf, jax.Array) or id(leaf) in seen:
+                    continue
+                seen.add(id(leaf))  # an array shared by two parts (the drafter's view of the embedding) counts once
+                for shard in leaf.addressable_shards:
+                    key = str(shard.device)
+                    out[key] = out.get(key, 0) + shard.data.nbytes
+            return out
+
+        return {"weights": by_device(self.tweights), "drafter": by_device(self.pweights),
+                "kv_pool": by_device(self.kv), "drafter_state": by_device(self.pstate)}
 
     # ------------------------------------------------------------------------------------------------ requests
     def validate_request(self, prompt_ids, params: SamplingParams | None = None) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 
@@ -42,9 +42,19 @@ class Metrics:
         self.running = Gauge("specjax_num_requests_running", "Requests running", registry=r)
         self.waiting = Gauge("specjax_num_requests_waiting", "Requests waiting for pages", registry=r)
         self.preemptions = Counter("specjax_num_preemptions", "Requests preempted (recomputed later)", registry=r)
+        self.memory = Gauge("specjax_memory_bytes", "Device bytes held by weights, drafter, KV pool and drafter state "
+                            "(set at start-up; process_resident_memory_bytes has the whole process)",
+                            ["part", "device"], registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         self._steps = 0
         self._committed = 0
         self.max_positions = max_positions
+
+    def set_memory(self, parts: dict[str, dict[str, int]]) -> None:
+        """parts: LLMEngine.memory_bytes()."""
+        for part, devices in parts.items():
+            for device, nbytes in devices.items():
+                self.memory.labels(part=part, device=device).set(nbytes)
 
     def record_decode(self, records: list[tuple[int, int, int]], k: int | None) -> None:
         """records: (seq_id, drafts, accepted) per sequence of one decode step."""

@@ -57,6 +57,7 @@ class EngineService:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        metrics.set_memory(engine.memory_bytes())
         self.idle_sleep = idle_sleep
         self.commands: queue.Queue = queue.Queue()
         self.by_seq: dict[int, RequestState] = {}
