@@ -168,10 +168,10 @@ def test_feature_cache_matches_online_features_and_resumes(tiny_dirs, tmp_path):
 
 
 def run_cli(args: list[str]):
-    """`specjax ARGS` in a fresh process, as a user runs it -> (stdout, stderr).  (In the suite's own process, after
-    ~140 tests' worth of compiled programs, XLA:CPU (jax 0.10.2) segfaults now and then compiling a train step
-    (seen in this file's train-drafter tests in two sessions); alone the same calls pass.  Every training CLI test
-    here therefore runs in a subprocess.)"""
+    """`specjax ARGS` in a fresh process, as a user runs it -> (stdout, stderr).  (The suite's own process used to
+    segfault compiling a train step after ~140 tests: every compiled program holds a few memory mappings and the
+    suite neared the kernel's 65,530 limit; conftest.py now drops compiled programs after each test file, and
+    these CLI tests keep their own process as users run them.)"""
     import subprocess
     import sys
 
