@@ -18,7 +18,6 @@ jax.config.update("jax_enable_x64", False)
 
 from tests import helpers  # noqa: E402
 
-
 MAX_MAPPINGS = 30_000  # half of the kernel's default vm.max_map_count (65,530)
 
 
