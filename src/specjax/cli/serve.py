@@ -57,8 +57,9 @@ def memory_line(memory: dict[str, dict[str, int]], cfg) -> str:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    print(f"specjax serve: loading {args.model or 'the embedded SmolLM2-135M-Instruct'}, then compiling every step "
-          f"shape; the port opens when ready", file=sys.stderr, flush=True)
+    then = ", then compiling every step shape" if args.warmup else ""
+    print(f"specjax serve: loading {args.model or 'the embedded SmolLM2-135M-Instruct'}{then}; the port opens when "
+          "ready", file=sys.stderr, flush=True)
     enable_compile_cache(args.compile_cache)
     app, service, llm, _ = build_server(args)
     service.start()
