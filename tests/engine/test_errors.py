@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the problem, and loses nothing (no pages, no queued work)."""
 
+import argparse
 import json
 import os
 import shutil
@@ -139,7 +140,7 @@ def test_kv_pool_sized_from_a_memory_budget(target, drafter_dir):
     with pytest.raises(ConfigError, match="cannot be combined with num_pages"):
         EngineConfig(kv_cache_memory=10 ** 6, num_pages=8)
     assert parse_bytes("2GiB") == 2 ** 31 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("4096") == 4096
-    with pytest.raises(Exception, match="is not a size"):
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
         parse_bytes("2 lots")
 
 

@@ -3,6 +3,7 @@
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -40,7 +41,7 @@ def test_hub_names_load_from_the_cache_offline(tiny_dirs, tmp_path, monkeypatch)
     assert load_model("specjax-tests/tiny-qwen3@v2").config.family == "llama"
 
     dcfg = drafter_config_for(target.config, num_layers=1, block_size=4)
-    save_drafter(str(tmp_path / "drafter"), dcfg, init_drafter(dcfg, __import__("jax").random.PRNGKey(0)))
+    save_drafter(str(tmp_path / "drafter"), dcfg, init_drafter(dcfg, jax.random.PRNGKey(0)))
     cache_snapshot(cache, "specjax-tests/tiny-qwen3-dflash", str(tmp_path / "drafter"), "c" * 40)
     cfg, _ = load_drafter("specjax-tests/tiny-qwen3-dflash", target.config)
     assert cfg.block_size == 4

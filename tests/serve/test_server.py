@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import jax
 import pytest
 
 from specjax.bench.serving import running
@@ -161,8 +162,12 @@ def test_metrics_exposes_acceptance_and_pages(server):
     assert sum(mem["kv_pool"].values()) == pool
     line = f'specjax_memory_bytes{{device="{next(iter(mem["kv_pool"]))}",part="kv_pool"}} '
     assert float(text.split(line)[1].split()[0]) == pool
-    weights = sum(a.nbytes for a in __import__("jax").tree_util.tree_leaves(engine.tweights))
-    assert sum(mem["weights"].values()) <= weights and set(mem) == {"weights", "drafter", "kv_pool", "drafter_state"}
+    target_leaves = jax.tree_util.tree_leaves(engine.tweights)
+    assert sum(mem["weights"].values()) == sum(a.nbytes for a in target_leaves)
+    shared = {id(a) for a in target_leaves}  # the drafter's references to target arrays count once, as weights
+    own = [a for a in jax.tree_util.tree_leaves(engine.pweights) if id(a) not in shared]
+    assert own and sum(mem["drafter"].values()) == sum(a.nbytes for a in own)
+    assert set(mem) == {"weights", "drafter", "kv_pool", "drafter_state"}
 
 
 def test_stop_strings_cut_the_text(server):

@@ -46,14 +46,15 @@ class StepOutput:
 
 
 def page_bytes(tcfg: ModelConfig, proposer, page_size: int, dtype) -> int:
-    """Device bytes one KV page costs: the target's K and V rows plus the proposer's paged state, if any."""
-    target = tcfg.num_layers * 2 * page_size * tcfg.num_kv_heads * tcfg.head_dim * jnp.dtype(dtype).itemsize
-
-    def state_bytes(pages: int) -> int:
-        shapes = jax.eval_shape(lambda: proposer.init_state(pages, page_size, dtype))
+    """Device bytes one KV page costs: the target's K and V rows plus the proposer's paged state, if any (shapes
+    of the very pools the engine allocates, never allocated here)."""
+    def pool_bytes(pages: int) -> int:
+        shapes = jax.eval_shape(lambda: (
+            init_kv_pages(tcfg.num_layers, pages, page_size, tcfg.num_kv_heads, tcfg.head_dim, dtype),
+            proposer.init_state(pages, page_size, dtype)))
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
 
-    return target + state_bytes(2) - state_bytes(1)
+    return pool_bytes(2) - pool_bytes(1)
 
 
 def pool_from_budget(config: EngineConfig, tcfg: ModelConfig, proposer, dtype) -> EngineConfig:

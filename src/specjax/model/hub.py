@@ -1,9 +1,9 @@
 """Hugging Face Hub names ("org/name", "org/name@revision") -> local snapshot directories, through the HF cache.
 
 Local paths always win: a name is looked up on the hub only when no file or directory of that name exists.
-Downloads fetch only what specjax reads (configs, safetensors, tokenizer files), into the standard HF cache
-(`HF_HUB_CACHE` / `HF_HOME`, read at call time), and respect `HF_HUB_OFFLINE=1`; with no network, a cached
-snapshot is used and a missing one is a CheckpointError that says what to download and where.
+Downloads fetch only what specjax reads (configs, safetensors, tokenizer files) into the standard HF cache
+(huggingface_hub's default; `HF_HUB_CACHE` is also read at call time) and respect `HF_HUB_OFFLINE=1`; with no
+network, a cached snapshot is used and a missing one is a CheckpointError that says what to download and where.
 """
 
 from __future__ import annotations
@@ -20,23 +20,16 @@ def is_hub_name(name: str) -> bool:
     return bool(REPO_ID.match(name)) and not os.path.exists(name)
 
 
-def cache_dir() -> str:
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-    return os.path.join(home, "hub")
-
-
 def resolve(name: str, what: str = "model") -> str:
     """A local path unchanged; a hub name -> its snapshot directory (downloaded unless cached or offline)."""
     if not is_hub_name(name):
         return name
     repo, _, revision = name.partition("@")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
     from specjax.model.loader import CheckpointError
 
-    cache = cache_dir()
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # set after import too (tests, notebooks)
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     try:
         return snapshot_download(repo, revision=revision or None, cache_dir=cache, allow_patterns=FILES,
