@@ -21,7 +21,7 @@ def test_generate_with_random_drafter_prints_text_and_stats(tiny_dirs, tmp_path,
 
 def test_generate_plain_decoding_no_chat(tiny_dirs, capsys):
     assert main(["generate", "abc", "--model", tiny_dirs["llama"], "--method", "ar", "--no-chat",
-                 "--max-new-tokens", "5", "--max-model-len", "64", "--compile-cache", "", "--no-warmup"]) == 0
+                 "--max-new-tokens", "5", "--max-model-len", "64", "--compile-cache", "", "--warmup", "none"]) == 0
     assert "--- ar |" in capsys.readouterr().err
 
 

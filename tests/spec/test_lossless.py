@@ -150,3 +150,24 @@ def test_seeded_sampling_equals_plain_sampling(setup, params):
     noisy, _ = run(target, oracle, None, prompts, params, big_pool(4))
     assert [s.output_ids for s in noisy] == [s.output_ids for s in ar]
     assert max(max(s.stats.acceptance_lengths) for s in noisy) >= 4
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_steps_padded_into_larger_ready_shapes_stay_lossless(setup, ar_greedy, adaptive):
+    """Background warm-up builds only the largest prefill and decode shapes first; with nothing else ever built
+    (its queue dropped), every step runs padded up to those (batch, tokens and page-table width)."""
+    target, dcfg, dweights, prompts = setup
+    outs, params = ar_greedy
+    config = EngineConfig(page_size=4, max_model_len=MAX_LEN, max_num_seqs=8, num_draft_tokens=5, adaptive_k=adaptive)
+    engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 8), dweights, config)
+    engine.programs.prefetch = lambda shapes: 0  # the background queue never runs
+    assert engine.warmup_all(background=True) == 2
+    built = set(engine.programs.ready)
+    full = engine.page_buckets[-1]  # 24 pages of 4 tokens = MAX_LEN
+    assert {(s.kind, s.batch, s.pages) for s in built} == {("prefill", engine.prefill_batch_buckets[-1], full),
+                                                           ("decode", 8, full)}
+    seqs = engine.generate(prompts, params)
+    assert [s.output_ids for s in seqs] == outs
+    assert engine.programs.foreground_builds == 0 and set(engine.programs.ready) == built
+    assert set(engine.programs.runs) == built and engine.num_steps["decode"] > 10
+    assert engine.allocator.num_used == 0

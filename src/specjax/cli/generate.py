@@ -28,13 +28,19 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     ids = llm.encode(prompt, chat=args.chat)
     engine = llm.engine
-    if args.warmup:
+    if args.warmup != "none":
         t0 = time.perf_counter()
         mode = GREEDY if params.is_greedy else SAMPLE_FILTERED if params.needs_filter else SAMPLE
         with StderrProgress("compiling step shapes") as progress:
-            n = engine.warmup(len(ids), len(ids) + params.max_new_tokens, modes=(mode,), progress=progress)
-        print(f"[compiled/loaded {n} step shapes in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
-    [res] = llm.generate([ids], params, on_text=lambda i, d: print(d, end="", flush=True))
+            n = engine.warmup(len(ids), len(ids) + params.max_new_tokens, modes=(mode,), progress=progress,
+                              background=args.warmup == "background")
+        later = engine.programs.pending()
+        print(f"[compiled/loaded {n} step shapes in {time.perf_counter() - t0:.1f}s"
+              + (f"; {later} more compile in the background" if later else "") + "]", file=sys.stderr)
+    try:
+        [res] = llm.generate([ids], params, on_text=lambda i, d: print(d, end="", flush=True))
+    finally:
+        engine.programs.close()  # drops queued shapes; waits for the one being compiled
     print()
     s = res.stats
     decode_tokens = len(res.token_ids) - 1
@@ -106,8 +112,10 @@ def register(sub) -> None:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the model's chat template (default on)")
-    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile every step shape before timing (default on)")
+    g.add_argument("--warmup", default="background", choices=["background", "all", "none"],
+                   help="background (default): compile what the first steps need, then start, compiling the other "
+                        "step shapes on a second thread (steps wait for or pad up to ready shapes); all: compile "
+                        "every shape first (steady timings); none: compile each shape when first used")
     g.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
                    help="choose K per step from (0, K/2, K) with the measured cost model, as `serve` does: "
                         "speculation turns itself off where it does not pay (default on; --no-adaptive-k = fixed K)")

@@ -68,6 +68,11 @@ class AdaptiveK:
         self.medians[key] = statistics.median(self.samples[key])
         self.measured_at[key] = self.num_choices
 
+    def forget_cost(self, batch_bucket: int, k: int, pages: int) -> None:
+        """Drop the timings of a shape (the program that runs it changed)."""
+        for table in (self.samples, self.medians, self.measured_at):
+            table.pop((batch_bucket, k, pages), None)
+
     def cost(self, batch_bucket: int, k: int, pages: int) -> float | None:
         """Median step time of (B, K, Pg); an unmeasured page bucket borrows the nearest measured one."""
         found = self.medians.get((batch_bucket, k, pages))
@@ -107,17 +112,19 @@ class AdaptiveK:
         return float(self.taus[optimistic][k])
 
     # ------------------------------------------------------------------------------------------------ choice
-    def choose(self, batch_bucket: int, num_seqs: int, pages: dict[int, int]) -> int:
-        """K for the next step; pages[k] = the page bucket a step with k drafts would gather."""
+    def choose(self, batch_bucket: int, num_seqs: int, pages: dict[int, int], options: tuple[int, ...] = ()) -> int:
+        """K for the next step; pages[k] = the page bucket a step with k drafts would gather; `options`: the K
+        that may run now (those with a compiled program; default all)."""
         self.num_choices += 1
+        k_options = tuple(sorted(options)) if options else self.k_options
         costs, rates = {}, {}
-        for k in self.k_options:
+        for k in k_options:
             costs[k] = self.cost(batch_bucket, k, pages[k])
             if costs[k] is None:
                 return k  # unmeasured: measure it (warm-up normally fills every entry)
             rates[k] = num_seqs * self.expected_tau(k) / costs[k]
-        best = max(self.k_options, key=lambda k: rates[k])  # ties: the smallest K
-        for k in self.k_options:
+        best = max(k_options, key=lambda k: rates[k])  # ties: the smallest K
+        for k in k_options:
             # A cheaper K that is not chosen is never timed again: refresh it now and then, or a cost inflated
             # once (a step timed while another process compiled) would keep speculation on where it loses.
             last = self.measured_at.get((batch_bucket, k, pages[k]), 0)
@@ -126,7 +133,7 @@ class AdaptiveK:
         # Exploration: verified steps at `best` refresh p_1..p_best only, so a larger K is tried now and then —
         # the cheapest one that could plausibly beat `best` (at explore_budget), else, while K = 0 wins, the
         # smallest K > 0 (at idle_budget) so that a change of workload is noticed.
-        larger = [k for k in self.k_options if k > best]
+        larger = [k for k in k_options if k > best]
         plausible = [k for k in larger if num_seqs * self.expected_tau(k, optimistic=True) / costs[k] > rates[best]]
         if plausible:
             explore, budget = plausible[0], self.explore_budget

@@ -24,6 +24,7 @@ from specjax.config import ConfigError, EngineConfig, ModelConfig
 from specjax.engine import runner
 from specjax.engine.buckets import pick_bucket, pow2_buckets
 from specjax.engine.controller import AdaptiveK
+from specjax.engine.programs import StepPrograms, StepShape
 from specjax.engine.sequence import Sequence, Status
 from specjax.kv.allocator import OutOfPages, PageAllocator
 from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages
@@ -118,6 +119,8 @@ class LLMEngine:
         self.last_k: int | None = None
         self.num_preemptions = 0
         self.record_drafts = record_drafts
+        self.programs = StepPrograms(self._build_program)
+        self._cost_shape: dict[tuple[int, int, int], StepShape] = {}  # controller cost key -> shape last timed
 
     def memory_bytes(self) -> dict[str, dict[str, int]]:
         """Device bytes by part and device: {"weights" (target), "drafter" (arrays not shared with the target),
@@ -204,31 +207,62 @@ class LLMEngine:
                 on_step(outputs)
         return [self.seqs[i] for i in ids]
 
-    # ------------------------------------------------------------------------------------------------ warm-up
-    def _run_prefill(self, b: int, t: int, pg: int, mode: str) -> None:
-        sampling = self._sampling([], b)
-        batch = ForwardBatch(jnp.zeros((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32),
-                             jnp.full((b, t), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32))
-        _, rows, prows = runner.prefill_step(
-            self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.zeros(b, jnp.int32),
-            jnp.zeros((b, t), jnp.int32), sampling, tcfg=self.tcfg, proposer=self.proposer, mode=mode)
-        self.kv, self.pstate = runner.commit(self.kv, self.pstate, batch.slots, rows, batch.slots, prows)
+    # ------------------------------------------------------------------------------------------------ programs
+    def _step_args(self, shape: StepShape) -> tuple:
+        """Dummy inputs of a step shape (slots all -1: running them writes nothing)."""
+        b, n, pg = shape.batch, shape.n, shape.pages
+        if shape.kind == "prefill":
+            batch = ForwardBatch(jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.int32),
+                                 jnp.full((b, n), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32))
+            return batch, jnp.zeros(b, jnp.int32), jnp.zeros((b, n), jnp.int32), self._sampling([], b)
+        return (runner.DecodeBatch(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32), jnp.full((b, n + 1), -1, jnp.int32),
+                                   jnp.zeros((b, pg), jnp.int32), jnp.zeros(b, jnp.int32), jnp.zeros((b, n), jnp.int32)),
+                self._sampling([], b))
 
-    def _run_decode(self, b: int, k: int, pg: int, mode: str) -> float:
-        inputs = runner.DecodeBatch(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32),
-                                    jnp.full((b, k + 1), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32),
-                                    jnp.zeros(b, jnp.int32), jnp.zeros((b, k), jnp.int32))
+    def _build_program(self, shape: StepShape):
+        """Compile one step shape and the commit of its rows -> (step, commit), both AOT-compiled executables
+        (the persistent compile cache applies)."""
+        def spec(tree):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+        state = spec((self.tweights, self.kv, self.pweights, self.pstate))
+        args = spec(self._step_args(shape))
+        if shape.kind == "prefill":
+            step = runner.prefill_step.lower(*state, *args, tcfg=self.tcfg, proposer=self.proposer,
+                                             mode=shape.mode).compile()
+            _, rows, prows = step.out_info
+            slots = pslots = args[0].slots
+        else:
+            step = runner.decode_step.lower(*state, *args, tcfg=self.tcfg, proposer=self.proposer,
+                                            num_draft=shape.n, mode=shape.mode).compile()
+            rows, prows, pslots = step.out_info[3:]
+            slots = args[0].slots
+        commit = runner.commit.lower(state[1], state[3], slots, rows, pslots, prows).compile()
+        return step, commit
+
+    def _run(self, shape: StepShape, program, *args):
+        """Run a step program and commit its rows; -> the step's outputs."""
+        step, commit = program
+        out = step(self.tweights, self.kv, self.pweights, self.pstate, *args)
+        if shape.kind == "prefill":
+            self.kv, self.pstate = commit(self.kv, self.pstate, args[0].slots, out[1], args[0].slots, out[2])
+        else:
+            self.kv, self.pstate = commit(self.kv, self.pstate, args[0].slots, out[3], out[5], out[4])
+        return out
+
+    def _run_dummy(self, shape: StepShape) -> float:
+        """One step of `shape` on dummy inputs (the caches are untouched); -> seconds."""
+        program = self.programs.build_now(shape)
         t0 = time.perf_counter()
-        out = runner.decode_step(self.tweights, self.kv, self.pweights, self.pstate, inputs, self._sampling([], b),
-                                 tcfg=self.tcfg, proposer=self.proposer, num_draft=k, mode=mode)
-        self.kv, self.pstate = runner.commit(self.kv, self.pstate, inputs.slots, out[3], out[5], out[4])
+        out = self._run(shape, program, *self._step_args(shape))
         jax.block_until_ready(out[0])
         return time.perf_counter() - t0
 
-    def warmup(self, prompt_lens, total_len: int, batch_sizes=(1,), modes=(GREEDY,), progress=None) -> int:
+    # ------------------------------------------------------------------------------------------------ warm-up
+    def warmup(self, prompt_lens, total_len: int, batch_sizes=(1,), modes=(GREEDY,), progress=None,
+               background: bool = False) -> int:
         """Compile the step shapes requests with prompts of `prompt_lens` (an int or a list) growing to
-        `total_len` tokens will use, with dummy inputs whose slots are all -1 (the caches are untouched).
-        `progress(done, total)` is called after each shape.  Returns the number of shapes run."""
+        `total_len` tokens will use (see _warm for `background` and `progress`).  Returns the shapes compiled now."""
         prompt_lens = [prompt_lens] if isinstance(prompt_lens, int) else list(prompt_lens)
         total_len = min(total_len, self.config.max_model_len)
         chunk = self.config.prefill_chunk
@@ -236,33 +270,52 @@ class LLMEngine:
         prefill_t = {pick_bucket(n, self.prefill_buckets) for n in tokens}
         decode_pages = {self._pages_bucket(min(n + k, self.config.max_model_len))
                         for n in range(min(prompt_lens) + 1, total_len + 1) for k in self.k_options}
-        return self._warm(sorted(prefill_t), sorted(decode_pages), batch_sizes, modes, progress)
+        return self._warm(sorted(prefill_t), sorted(decode_pages), batch_sizes, modes, progress, background)
 
-    def warmup_all(self, modes=(GREEDY,), progress=None) -> int:
-        """Compile every shape this engine can produce (server start-up): no compilation after this."""
-        return self._warm(self.prefill_buckets, self.page_buckets, self.batch_buckets, modes, progress)
+    def warmup_all(self, modes=(GREEDY,), progress=None, background: bool = False) -> int:
+        """Compile every shape this engine can produce (server start-up): no compilation after this (with
+        `background`, none on the engine thread: a step waits for its shape or runs in a larger ready one)."""
+        return self._warm(self.prefill_buckets, self.page_buckets, self.batch_buckets, modes, progress, background)
 
-    def _warm(self, prefill_t, decode_pages, batch_sizes, modes, progress=None) -> int:
+    def _warm(self, prefill_t, decode_pages, batch_sizes, modes, progress=None, background=False) -> int:
+        """Compile the shapes for `batch_sizes` x `modes`: prefill chunks of `prefill_t` tokens, decode steps at
+        every K option and page bucket of `decode_pages`.  Each is compiled and run once on dummy inputs
+        (decode: twice more, timed, as the K controller's cost prior), `progress(done, total)` after each.
+        With `background`, only the shapes every request needs first are built now, without runs (per mode, a
+        prefill of the largest chunk and a K = 0 decode step, each at the largest batch and page buckets: they fit
+        any step, padded); the rest are queued smallest first on a background thread (`self.programs`) while
+        requests run, and the controller times real steps instead.
+        """
         full = pick_bucket(self.config.max_pages_per_seq, self.page_buckets)
-        jobs = []  # (prefill?, batch, tokens or K, pages, mode): listed first so progress knows the total
+        prefill_b = sorted({pick_bucket(min(x, self.prefill_batch_buckets[-1]), self.prefill_batch_buckets)
+                            for x in batch_sizes})
+        decode_b = sorted({pick_bucket(x, self.batch_buckets) for x in batch_sizes})
+        jobs = []  # listed first so progress knows the total
         for mode in modes:
-            for b in sorted({pick_bucket(min(x, self.prefill_batch_buckets[-1]), self.prefill_batch_buckets)
-                             for x in batch_sizes}):
-                jobs += [(True, b, t, full, mode) for t in prefill_t]
-            for b in sorted({pick_bucket(x, self.batch_buckets) for x in batch_sizes}):
-                jobs += [(False, b, k, pg, mode) for k in self.k_options for pg in decode_pages]
-        for i, (prefill, b, n, pg, mode) in enumerate(jobs):
-            if prefill:
-                self._run_prefill(b, n, pg, mode)
+            jobs += [StepShape("prefill", b, t, full, mode) for b in prefill_b for t in prefill_t]
+            jobs += [StepShape("decode", b, k, pg, mode) for b in decode_b for pg in decode_pages for k in self.k_options]
+        if background:
+            now = []
+            for mode in modes:
+                now += [StepShape("prefill", prefill_b[-1], max(prefill_t), full, mode),
+                        StepShape("decode", decode_b[-1], min(self.k_options), max(decode_pages), mode)]
+            later = [s for s in jobs if s not in now]
+        else:
+            now, later = jobs, []
+        for i, shape in enumerate(now):
+            if background:  # no dummy runs: requests are waiting (the controller times real steps)
+                self.programs.build_now(shape)
             else:
-                self._run_decode(b, n, pg, mode)  # compiles
-                if self.controller is not None:  # two timed runs: the cost model's prior
-                    for _ in range(2):
-                        self.controller.record_cost(b, n, pg, self._run_decode(b, n, pg, mode))
+                self._run_dummy(shape)  # compiles
+            if not background and shape.kind == "decode" and self.controller is not None:
+                for _ in range(2):
+                    self._record_cost(shape, shape, self._run_dummy(shape))
             if progress is not None:
-                progress(i + 1, len(jobs))
+                progress(i + 1, len(now))
         jax.block_until_ready(self.kv)
-        return len(jobs)
+        if later:
+            self.programs.prefetch(later)
+        return len(now)
 
     # ------------------------------------------------------------------------------------------------ schedule
     def _step_tokens(self, seq: Sequence) -> int:
@@ -342,8 +395,13 @@ class LLMEngine:
     def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
         chunks = [seq.all_ids[seq.num_cached:min(seq.prefill_len, seq.num_cached + self.config.prefill_chunk)]
                   for seq in seqs]
-        t = pick_bucket(max(len(c) for c in chunks), self.prefill_buckets)
-        b = pick_bucket(len(seqs), self.prefill_batch_buckets)
+        # Prefill reads the full page-table width: one shape per (batch, tokens) bucket, and prefill is
+        # compute-bound, so gathering a few unused pages costs little.
+        need = StepShape("prefill", pick_bucket(len(seqs), self.prefill_batch_buckets),
+                         pick_bucket(max(len(c) for c in chunks), self.prefill_buckets),
+                         self._pages_bucket(self.config.max_model_len), sampler_mode([s.params for s in seqs]))
+        shape, program = self.programs.get(need)
+        b, t = shape.batch, shape.n
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((b, t), np.int32)
         slots = np.full((b, t), -1, np.int32)
@@ -357,15 +415,10 @@ class LLMEngine:
             positions[i, :n] = np.arange(seq.num_cached, seq.num_cached + n)
             slots[i, :n] = self._slots(seq, positions[i, :n])
             last_index[i] = n - 1
-        # Prefill reads the full page-table width: one shape per (batch, tokens) bucket, and prefill is
-        # compute-bound, so gathering a few unused pages costs little.
-        table = self._page_table(seqs, b, self._pages_bucket(self.config.max_model_len))
+        table = self._page_table(seqs, b, shape.pages)
         batch = ForwardBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(table))
-        first, rows, prows = runner.prefill_step(
-            self.tweights, self.kv, self.pweights, self.pstate, batch, jnp.asarray(last_index),
-            jnp.asarray(next_tokens), self._sampling(seqs, b), tcfg=self.tcfg, proposer=self.proposer,
-            mode=sampler_mode([s.params for s in seqs]))
-        self.kv, self.pstate = runner.commit(self.kv, self.pstate, batch.slots, rows, batch.slots, prows)
+        first, _, _ = self._run(shape, program, batch, jnp.asarray(last_index), jnp.asarray(next_tokens),
+                                self._sampling(seqs, b))
         first = np.asarray(first)
         self.num_steps["prefill"] += 1
         outputs = []
@@ -386,17 +439,25 @@ class LLMEngine:
         if not seqs:
             return []
         b = pick_bucket(len(seqs), self.batch_buckets)
+        mode = sampler_mode([s.params for s in seqs])
         # Pages are reserved for the largest K (_step_tokens), but a step gathers only those its K reaches.
         longest = max(s.num_tokens for s in seqs)
         pages = {k: self._pages_bucket(min(longest + k, self.config.max_model_len)) for k in self.k_options}
-        k = self.controller.choose(b, len(seqs), pages) if self.controller is not None else self.k_options[0]
+        if self.controller is not None:  # choose among the K with a ready program (all of them once compiled)
+            ready = tuple(k for k in self.k_options if self.programs.find(StepShape("decode", b, k, pages[k], mode)))
+            k = self.controller.choose(b, len(seqs), pages, ready or self.k_options)
+        else:
+            k = self.k_options[0]
+        need = StepShape("decode", b, k, pages[k], mode)
+        shape, program = self.programs.get(need)
         self.k_history[k] += 1
         self.last_k = k
-        bonus = np.zeros((b,), np.int32)
-        start = np.zeros((b,), np.int32)
-        slots = np.full((b, k + 1), -1, np.int32)
-        num_drafts = np.zeros((b,), np.int32)
-        host_drafts = np.zeros((b, k), np.int32)
+        rows = shape.batch  # >= b when the step runs in a larger ready batch bucket (padding rows write nothing)
+        bonus = np.zeros((rows,), np.int32)
+        start = np.zeros((rows,), np.int32)
+        slots = np.full((rows, k + 1), -1, np.int32)
+        num_drafts = np.zeros((rows,), np.int32)
+        host_drafts = np.zeros((rows, k), np.int32)
         for i, seq in enumerate(seqs):
             bonus[i], start[i] = seq.output_ids[-1], seq.start
             slots[i] = self._slots(seq, seq.start + np.arange(k + 1))
@@ -406,17 +467,14 @@ class LLMEngine:
                 proposal = self.proposer.host_propose(seq.all_ids, int(num_drafts[i]))[: num_drafts[i]]
                 host_drafts[i, :len(proposal)] = proposal
                 num_drafts[i] = len(proposal)
-        table = self._page_table(seqs, b, pages[k])
+        table = self._page_table(seqs, shape.batch, shape.pages)
         inputs = runner.DecodeBatch(jnp.asarray(bonus), jnp.asarray(start), jnp.asarray(slots), jnp.asarray(table),
                                     jnp.asarray(num_drafts), jnp.asarray(host_drafts))
         t0 = time.perf_counter()
-        num_accepted, tokens, drafts, rows, prows, pslots = runner.decode_step(
-            self.tweights, self.kv, self.pweights, self.pstate, inputs, self._sampling(seqs, b), tcfg=self.tcfg,
-            proposer=self.proposer, num_draft=k, mode=sampler_mode([s.params for s in seqs]))
-        self.kv, self.pstate = runner.commit(self.kv, self.pstate, inputs.slots, rows, pslots, prows)
+        num_accepted, tokens, drafts, *_ = self._run(shape, program, inputs, self._sampling(seqs, shape.batch))
         num_accepted, tokens = np.asarray(num_accepted), np.asarray(tokens)
-        if self.controller is not None:
-            self.controller.record_cost(b, k, pages[k], time.perf_counter() - t0)
+        if self.controller is not None and self.programs.runs[shape] > 1:  # a program's first run pays set-up
+            self._record_cost(need, shape, time.perf_counter() - t0)
         self.num_steps["decode"] += 1
         self.last_decode = [(s.seq_id, int(num_drafts[i]), int(num_accepted[i])) for i, s in enumerate(seqs)]
         outputs = []
@@ -430,6 +488,15 @@ class LLMEngine:
             seq.num_cached = seq.start + a + 1  # old bonus + accepted drafts; the new bonus has no K/V yet
             outputs.append(self._commit(seq, [int(t) for t in tokens[i, :a + 1]]))
         return outputs
+
+    def _record_cost(self, need: StepShape, shape: StepShape, seconds: float) -> None:
+        """Time a decode step that needed `need` and ran as `shape` (a larger ready one while `need` compiles):
+        the controller's timings of `need` restart when the program behind it changes."""
+        key = (need.batch, need.n, need.pages)
+        if self._cost_shape.get(key, shape) != shape:
+            self.controller.forget_cost(*key)
+        self._cost_shape[key] = shape
+        self.controller.record_cost(*key, seconds)
 
     # ------------------------------------------------------------------------------------------------ commit
     def _commit(self, seq: Sequence, new_ids: list[int]) -> StepOutput:

@@ -243,20 +243,8 @@ def _with_eos(cfg: ModelConfig, eos: list[int]) -> ModelConfig:
 # --------------------------------------------------------------------------------------------------------------
 
 def gguf_field(reader, key: str, default=None):
-    """Scalar, string or array value of a GGUF metadata key (None/default when absent)."""
-    import gguf
-
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    kind = f.types[0]
-    if kind == gguf.GGUFValueType.STRING:
-        return bytes(f.parts[f.data[0]]).decode("utf-8")
-    if kind == gguf.GGUFValueType.ARRAY:
-        if f.types[1] == gguf.GGUFValueType.STRING:
-            return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
-        return [f.parts[i][0].item() for i in f.data]
-    return f.parts[-1][0].item()
+    """Scalar, string or list value of a GGUF metadata key (default when absent); `reader` is a GGUFFile."""
+    return reader.fields.get(key, default)
 
 
 def gguf_model_config(reader, source: str) -> ModelConfig:
@@ -311,11 +299,13 @@ def gguf_model_config(reader, source: str) -> ModelConfig:
 def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
     import gguf
 
+    from specjax.model.gguf_file import GGUFFile
+
     if not os.path.isfile(path):
         raise CheckpointError(f"GGUF file not found: {path}")
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, KeyError, IndexError) as e:
+        reader = GGUFFile(path)
+    except (ValueError, OSError, KeyError, IndexError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from None
     cfg = gguf_model_config(reader, path)
     tensors = {}

@@ -1,0 +1,150 @@
+"""Compiled step programs by shape: built ahead (now, or in order on a background thread) or on demand, and looked
+up with a fallback to a larger ready shape so that a request never waits on a compile it does not need.
+
+A step shape is (kind, batch, n, pages, mode): kind "prefill" (n = tokens per row) or "decode" (n = drafts K).
+A prefill chunk fits any ready program with batch, tokens and pages at least its own (padding rows and columns
+are masked); a decode step needs its exact K but may run with a larger batch or page-table width.  When nothing
+ready fits, the exact shape is built: moved to the front of the background queue and waited for if it is queued
+there, otherwise compiled on the calling thread and counted in `foreground_builds` (a server that promises no
+compilation after start-up checks that this stays 0).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable, NamedTuple
+
+log = logging.getLogger(__name__)
+
+
+class StepShape(NamedTuple):
+    kind: str  # "prefill" | "decode"
+    batch: int
+    n: int  # prefill: tokens per row; decode: drafts K
+    pages: int  # page-table width
+    mode: str  # sampler mode
+
+    def fits(self, need: "StepShape") -> bool:
+        """Can a program of this shape run a step that needs `need` (same kind and mode, padded up)?"""
+        same_n = self.n >= need.n if self.kind == "prefill" else self.n == need.n
+        return (self.kind == need.kind and self.mode == need.mode and same_n and self.batch >= need.batch
+                and self.pages >= need.pages)
+
+
+class StepPrograms:
+    """`build(shape) -> callable` compiles one shape; `prefetch` queues shapes for the background thread."""
+
+    def __init__(self, build: Callable[[StepShape], Callable]):
+        self._build = build
+        self.ready: dict[StepShape, Callable] = {}
+        self.runs: collections.Counter = collections.Counter()  # lookups that returned each shape
+        self.build_seconds: dict[StepShape, float] = {}
+        self.foreground_builds = 0
+        self._queue: collections.deque[StepShape] = collections.deque()
+        self._building: StepShape | None = None
+        self._error: dict[StepShape, BaseException] = {}
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------------ building
+    def build_now(self, shape: StepShape) -> Callable:
+        """Compile `shape` on this thread (if not ready) and return it; does not count as a foreground build."""
+        with self._cv:
+            if shape in self.ready:
+                return self.ready[shape]
+        t0 = time.perf_counter()
+        fn = self._build(shape)
+        with self._cv:
+            self.ready.setdefault(shape, fn)
+            self.build_seconds.setdefault(shape, time.perf_counter() - t0)
+            self._cv.notify_all()
+            return self.ready[shape]
+
+    def prefetch(self, shapes) -> int:
+        """Queue shapes (in order, skipping ready or queued ones) for the background thread; returns how many."""
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("programs are closed")
+            new = [s for s in dict.fromkeys(shapes) if s not in self.ready and s not in self._queue
+                   and s != self._building]
+            self._queue.extend(new)
+            if new and (self._thread is None or not self._thread.is_alive()):
+                self._thread = threading.Thread(target=self._worker, name="specjax-compile", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+            return len(new)
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._queue) + (self._building is not None)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the background queue is empty and nothing is being built."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and self._building is None, timeout)
+
+    def close(self) -> None:
+        """Drop queued shapes and wait for the one being built (a compile cannot be interrupted)."""
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                if self._closed or not self._queue:
+                    self._building = None
+                    self._cv.notify_all()
+                    return
+                shape = self._building = self._queue.popleft()
+            try:
+                self.build_now(shape)
+            except BaseException as e:  # surfaced to whoever needs this shape
+                log.exception("compiling %s failed", shape)
+                with self._cv:
+                    self._error[shape] = e
+            finally:
+                with self._cv:
+                    self._building = None
+                    self._cv.notify_all()
+
+    # ------------------------------------------------------------------------------------------------ lookup
+    def find(self, need: StepShape) -> StepShape | None:
+        """The smallest ready shape that fits `need` (exact first), or None."""
+        with self._cv:
+            if need in self.ready:
+                return need
+            fits = [s for s in self.ready if s.fits(need)]
+        return min(fits, key=lambda s: (s.batch * max(s.n, 1) * s.pages, s)) if fits else None
+
+    def get(self, need: StepShape) -> tuple[StepShape, Callable]:
+        """(shape, program) to run a step that needs `need`: a ready fit, else the exact shape once built."""
+        found = self.find(need)
+        if found is None:
+            with self._cv:
+                if need in self._error:
+                    raise self._error.pop(need)
+                if need in self._queue or need == self._building:
+                    if need in self._queue:  # jump the queue: a request is waiting for it
+                        self._queue.remove(need)
+                        self._queue.appendleft(need)
+                    self._cv.wait_for(lambda: need in self.ready or need in self._error
+                                      or (need not in self._queue and need != self._building))
+                    if need in self._error:
+                        raise self._error.pop(need)
+                    found = need if need in self.ready else None
+            if found is None:
+                self.foreground_builds += 1
+                self.build_now(need)
+                found = need
+        with self._cv:
+            self.runs[found] += 1
+            return found, self.ready[found]
