@@ -27,12 +27,15 @@ def build_server(args):
                        page_bucket_factor=args.page_bucket_factor)
     llm = LLM(args.model, args.drafter, args.method, args.block_size, cfg, dtype=args.dtype,
               ngram=tuple(int(x) for x in args.ngram.split(",")))
-    if args.warmup:
+    if args.warmup != "none":
         t0 = time.perf_counter()
         modes = (GREEDY, SAMPLE, SAMPLE_FILTERED) if args.warmup_sampling else (GREEDY,)
         with StderrProgress("warm-up: compiling step shapes") as progress:
-            n = llm.engine.warmup_all(modes=modes, progress=progress)
-        print(f"[warm-up: {n} step shapes compiled/loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+            n = llm.engine.warmup_all(modes=modes, progress=progress, background=args.warmup == "background")
+        later = llm.engine.programs.pending()
+        print(f"[warm-up: {n} step shapes compiled/loaded in {time.perf_counter() - t0:.1f}s"
+              + (f"; {later} more compile in the background, none on the engine thread" if later else "") + "]",
+              file=sys.stderr)
     print(memory_line(llm.engine.memory_bytes(), llm.engine.config), file=sys.stderr)
     service = EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft)))
     name = args.served_model_name or os.path.basename(str(llm.target.source)).removesuffix(".gguf")
@@ -57,7 +60,8 @@ def memory_line(memory: dict[str, dict[str, int]], cfg) -> str:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    then = ", then compiling every step shape" if args.warmup else ""
+    then = {"all": ", then compiling every step shape", "background": ", then compiling the first step shapes",
+            "none": ""}[args.warmup]
     print(f"specjax serve: loading {args.model or 'the embedded SmolLM2-135M-Instruct'}{then}; the port opens when "
           "ready", file=sys.stderr, flush=True)
     enable_compile_cache(args.compile_cache)
@@ -208,8 +212,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="KV-page bucket growth: fewer shapes to compile at start-up vs. padded gathers")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
                    help="choose the number of drafts per step with a measured cost model (default on)")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile every step shape at start-up (default on)")
+    p.add_argument("--warmup", default="background", choices=["background", "all", "none"],
+                   help="background (default): serve as soon as the largest prefill and decode shapes are compiled "
+                        "(smaller steps run padded into them) and compile the others on a second thread, never on "
+                        "the engine thread; all: compile every step shape before serving; none: compile on first use")
     p.add_argument("--warmup-sampling", action="store_true", help="also compile the sampling variants at start-up")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--default-max-tokens", type=int, default=256)

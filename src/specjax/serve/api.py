@@ -146,7 +146,8 @@ def create_app(service: EngineService, model_name: str, default_max_tokens: int 
     async def health():
         if service.error is not None:
             return error_response(f"engine stopped: {service.error}", status=500)
-        return {"status": "ok"}
+        programs = service.engine.programs
+        return {"status": "ok", "step_programs": {"ready": len(programs.ready), "compiling": programs.pending()}}
 
     @app.get("/v1/models")
     async def models():
@@ -155,6 +156,7 @@ def create_app(service: EngineService, model_name: str, default_max_tokens: int 
 
     @app.get("/metrics")
     async def metrics():
+        service.metrics.set_programs(service.engine.programs)
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def run(request: Request, req: SamplingFields, prompt_ids: list[int], params: SamplingParams, chat: bool):

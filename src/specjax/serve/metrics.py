@@ -45,6 +45,10 @@ class Metrics:
         self.memory = Gauge("specjax_memory_bytes", "Device bytes held by weights, drafter, KV pool and drafter state "
                             "(set at start-up; process_resident_memory_bytes has the whole process)",
                             ["part", "device"], registry=r)
+        self.programs = Gauge("specjax_step_programs", "Compiled step shapes: ready, or pending on the background "
+                              "compile thread", ["state"], registry=r)
+        self.foreground_compiles = Gauge("specjax_engine_thread_compiles", "Step shapes compiled on the engine thread "
+                                         "(0 unless warm-up was off: a request waited on its compilation)", registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         self._steps = 0
         self._committed = 0
@@ -55,6 +59,12 @@ class Metrics:
         for part, devices in parts.items():
             for device, nbytes in devices.items():
                 self.memory.labels(part=part, device=device).set(nbytes)
+
+    def set_programs(self, programs) -> None:
+        """programs: the engine's StepPrograms."""
+        self.programs.labels(state="ready").set(len(programs.ready))
+        self.programs.labels(state="pending").set(programs.pending())
+        self.foreground_compiles.set(programs.foreground_builds)
 
     def record_decode(self, records: list[tuple[int, int, int]], k: int | None) -> None:
         """records: (seq_id, drafts, accepted) per sequence of one decode step."""

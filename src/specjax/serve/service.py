@@ -78,6 +78,7 @@ class EngineService:
         self.commands.put(("wake",))
         if self.thread is not None:
             self.thread.join(timeout=30)
+        self.engine.programs.close()  # background compilation, if any
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = ()) -> RequestState:
         """Queue a validated request; events arrive on the returned state's `events` (asyncio) queue."""
