@@ -32,22 +32,35 @@ def jit_cache_sizes():
 PROMPT, NEW = list(range(3, 50)), 60
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_no_compile_after_warmup(parts, background):
+def test_no_compile_after_warmup(parts):
     engine = make_engine(parts)
     seen = []  # the progress callback sees every shape built now, in order, with the total known from the start
-    n = engine.warmup(len(PROMPT), len(PROMPT) + NEW, modes=(GREEDY,), progress=lambda d, t: seen.append((d, t)),
-                      background=background)
-    assert n >= 2 and seen == [(i, n) for i in range(1, n + 1)]
-    if background:
-        assert n == 2 and engine.programs.pending() > 0
-        assert engine.programs.wait_idle(300)
+    n = engine.warmup(len(PROMPT), len(PROMPT) + NEW, modes=(GREEDY,), progress=lambda d, t: seen.append((d, t)))
+    assert n >= 4 and seen == [(i, n) for i in range(1, n + 1)]  # prefill chunks of 16 and 32, decode at 2 widths
     built, sizes = set(engine.programs.ready), jit_cache_sizes()
-    assert len(built) >= 4  # prefill chunks of 16 and 32 tokens, decode at 16 and 32 pages
     [seq] = engine.generate([PROMPT], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert len(seq.output_ids) == NEW
     assert engine.programs.foreground_builds == 0 and set(engine.programs.ready) == built
     assert jit_cache_sizes() == sizes
+
+
+def test_background_warmup_compiles_what_steps_use_off_the_engine_thread(parts):
+    """Two shapes first; padded steps queue their exact shapes; once those are built a second identical request
+    runs in exact shapes only, and nothing ever compiles on the calling thread."""
+    engine = make_engine(parts)
+    assert engine.warmup(len(PROMPT), len(PROMPT) + NEW, modes=(GREEDY,), background=True) == 2
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    [first] = engine.generate([PROMPT], params)
+    assert engine.programs.wait_idle(300)
+    built = set(engine.programs.ready)
+    assert len(built) > 2
+    runs = engine.programs.runs.copy()
+    [second] = engine.generate([PROMPT], params)
+    assert second.output_ids == first.output_ids
+    assert engine.programs.foreground_builds == 0 and set(engine.programs.ready) == built
+    used = {s for s in engine.programs.runs if engine.programs.runs[s] > runs[s]}
+    # the second request's decode steps ran at the page widths they need, not at the universal largest one
+    assert {s.pages for s in used if s.kind == "decode"} == {16, 32}  # 48..110 tokens: 12..28 pages of 4
 
 
 def test_without_warmup_each_shape_compiles_once_when_first_needed(parts):

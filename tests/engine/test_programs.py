@@ -78,3 +78,17 @@ def test_a_failed_background_build_reaches_the_step_that_needs_it():
     progs.close()
     with pytest.raises(RuntimeError, match="closed"):
         progs.prefetch([shape()])
+
+
+def test_on_demand_a_padded_step_queues_its_shape_and_an_unfit_step_waits_for_the_background_thread():
+    build = SlowBuild(0.05)
+    progs = StepPrograms(build)
+    progs.on_demand = True
+    progs.build_now(shape(b=1, pg=16))
+    assert progs.get(shape(b=1, pg=4))[0] == shape(b=1, pg=16)  # runs padded now, its own shape queued
+    assert progs.get(shape(b=4, pg=4))[0] == shape(b=4, pg=4)  # nothing fits a batch of 4: built over there
+    assert progs.wait_idle(5) and shape(b=1, pg=4) in progs.ready
+    assert progs.foreground_builds == 0 and set(build.threads[1:]) == {"specjax-compile"}
+    progs.close()
+    progs.request([shape(n=7)])  # ignored once closed
+    assert progs.pending() == 0

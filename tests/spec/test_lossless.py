@@ -154,18 +154,19 @@ def test_seeded_sampling_equals_plain_sampling(setup, params):
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_steps_padded_into_larger_ready_shapes_stay_lossless(setup, ar_greedy, adaptive):
-    """Background warm-up builds only the largest prefill and decode shapes first; with nothing else ever built
-    (its queue dropped), every step runs padded up to those (batch, tokens and page-table width)."""
+    """With only the largest prefill and decode shapes compiled (and nothing compiled on demand), every step runs
+    padded up to them: batch rows, prefill tokens and page-table width."""
+    from specjax.engine.programs import StepShape
+
     target, dcfg, dweights, prompts = setup
     outs, params = ar_greedy
     config = EngineConfig(page_size=4, max_model_len=MAX_LEN, max_num_seqs=8, num_draft_tokens=5, adaptive_k=adaptive)
     engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 8), dweights, config)
-    engine.programs.prefetch = lambda shapes: 0  # the background queue never runs
-    assert engine.warmup_all(background=True) == 2
-    built = set(engine.programs.ready)
     full = engine.page_buckets[-1]  # 24 pages of 4 tokens = MAX_LEN
-    assert {(s.kind, s.batch, s.pages) for s in built} == {("prefill", engine.prefill_batch_buckets[-1], full),
-                                                           ("decode", 8, full)}
+    built = {StepShape("prefill", engine.prefill_batch_buckets[-1], engine.prefill_buckets[-1], full, "greedy"),
+             StepShape("decode", 8, engine.k_options[0], full, "greedy")}  # K = 0 (adaptive) or 5
+    for shape in built:
+        engine.programs.build_now(shape)
     seqs = engine.generate(prompts, params)
     assert [s.output_ids for s in seqs] == outs
     assert engine.programs.foreground_builds == 0 and set(engine.programs.ready) == built

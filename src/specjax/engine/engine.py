@@ -281,40 +281,39 @@ class LLMEngine:
         """Compile the shapes for `batch_sizes` x `modes`: prefill chunks of `prefill_t` tokens, decode steps at
         every K option and page bucket of `decode_pages`.  Each is compiled and run once on dummy inputs
         (decode: twice more, timed, as the K controller's cost prior), `progress(done, total)` after each.
-        With `background`, only the shapes every request needs first are built now, without runs (per mode, a
-        prefill of the largest chunk and a K = 0 decode step, each at the largest batch and page buckets: they fit
-        any step, padded); the rest are queued smallest first on a background thread (`self.programs`) while
-        requests run, and the controller times real steps instead.
+        With `background`, only two shapes per mode are built now, without runs: a prefill of the largest chunk
+        and a K = 0 decode step at the largest page bucket, both for one sequence, so that a lone request runs at
+        once (padded); every other shape is compiled on demand on the background thread
+        (`self.programs.on_demand`): a step that runs padded, or a K option without a program, queues its exact
+        shape, and a step that nothing ready fits (a larger batch) waits for its own.  Memory then grows with the
+        shapes the workload uses, not with every bucket (a batch-16 step padded to the full context would also
+        need ~1.4 GB of temporaries).  The controller times real steps instead.
         """
         full = pick_bucket(self.config.max_pages_per_seq, self.page_buckets)
         prefill_b = sorted({pick_bucket(min(x, self.prefill_batch_buckets[-1]), self.prefill_batch_buckets)
                             for x in batch_sizes})
         decode_b = sorted({pick_bucket(x, self.batch_buckets) for x in batch_sizes})
-        jobs = []  # listed first so progress knows the total
+        now = []  # listed first so progress knows the total
         for mode in modes:
-            jobs += [StepShape("prefill", b, t, full, mode) for b in prefill_b for t in prefill_t]
-            jobs += [StepShape("decode", b, k, pg, mode) for b in decode_b for pg in decode_pages for k in self.k_options]
-        if background:
-            now = []
-            for mode in modes:
-                now += [StepShape("prefill", prefill_b[-1], max(prefill_t), full, mode),
-                        StepShape("decode", decode_b[-1], min(self.k_options), max(decode_pages), mode)]
-            later = [s for s in jobs if s not in now]
-        else:
-            now, later = jobs, []
+            if background:
+                now += [StepShape("prefill", prefill_b[0], max(prefill_t), full, mode),
+                        StepShape("decode", decode_b[0], min(self.k_options), max(decode_pages), mode)]
+            else:
+                now += [StepShape("prefill", b, t, full, mode) for b in prefill_b for t in prefill_t]
+                now += [StepShape("decode", b, k, pg, mode) for b in decode_b for pg in decode_pages
+                        for k in self.k_options]
+        self.programs.on_demand = background
         for i, shape in enumerate(now):
             if background:  # no dummy runs: requests are waiting (the controller times real steps)
                 self.programs.build_now(shape)
             else:
                 self._run_dummy(shape)  # compiles
-            if not background and shape.kind == "decode" and self.controller is not None:
-                for _ in range(2):
-                    self._record_cost(shape, shape, self._run_dummy(shape))
+                if shape.kind == "decode" and self.controller is not None:
+                    for _ in range(2):
+                        self._record_cost(shape, shape, self._run_dummy(shape))
             if progress is not None:
                 progress(i + 1, len(now))
         jax.block_until_ready(self.kv)
-        if later:
-            self.programs.prefetch(later)
         return len(now)
 
     # ------------------------------------------------------------------------------------------------ schedule
@@ -444,7 +443,9 @@ class LLMEngine:
         longest = max(s.num_tokens for s in seqs)
         pages = {k: self._pages_bucket(min(longest + k, self.config.max_model_len)) for k in self.k_options}
         if self.controller is not None:  # choose among the K with a ready program (all of them once compiled)
-            ready = tuple(k for k in self.k_options if self.programs.find(StepShape("decode", b, k, pages[k], mode)))
+            needs = {k: StepShape("decode", b, k, pages[k], mode) for k in self.k_options}
+            ready = tuple(k for k in self.k_options if self.programs.find(needs[k]))
+            self.programs.request(needs[k] for k in self.k_options if k not in ready)
             k = self.controller.choose(b, len(seqs), pages, ready or self.k_options)
         else:
             k = self.k_options[0]
