@@ -62,7 +62,8 @@ def write_varied(path: str) -> None:
     w.add_tensor("plain", rng.standard_normal((3, 5)).astype(np.float32))
     w.add_tensor("half", rng.standard_normal((4,)).astype(np.float16))
     q = rng.standard_normal((2, 64)).astype(np.float32)
-    w.add_tensor("q8", gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    w.add_tensor("q8", gguf.quants.quantize(q, q8), raw_dtype=q8)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

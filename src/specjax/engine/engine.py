@@ -215,8 +215,9 @@ class LLMEngine:
             batch = ForwardBatch(jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.int32),
                                  jnp.full((b, n), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32))
             return batch, jnp.zeros(b, jnp.int32), jnp.zeros((b, n), jnp.int32), self._sampling([], b)
-        return (runner.DecodeBatch(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32), jnp.full((b, n + 1), -1, jnp.int32),
-                                   jnp.zeros((b, pg), jnp.int32), jnp.zeros(b, jnp.int32), jnp.zeros((b, n), jnp.int32)),
+        zeros = jnp.zeros(b, jnp.int32)
+        return (runner.DecodeBatch(zeros, zeros, jnp.full((b, n + 1), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32),
+                                   zeros, jnp.zeros((b, n), jnp.int32)),
                 self._sampling([], b))
 
     def _build_program(self, shape: StepShape):
