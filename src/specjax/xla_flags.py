@@ -3,7 +3,7 @@
 `--xla_cpu_enable_concurrency_optimized_scheduler=false`: XLA:CPU's default scheduler orders a program for
 concurrent execution of independent operations and gives each of them its own buffer; for a 30-layer target
 every layer's gathered KV pages then live at once.  A batch-16 SmolLM2 decode step over a 2048-token context
-needed 1441 MB of temporaries with it and 27 MB without, at the same speed (docs/results/kflat.md), which is
+needed 1441 MB of temporaries with it and 27 MB without (docs/results/startup.md), which is
 most of the memory a loaded server held.  A flag the user already put in XLA_FLAGS is left as they set it.
 """
 

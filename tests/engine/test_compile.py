@@ -70,3 +70,13 @@ def test_without_warmup_each_shape_compiles_once_when_first_needed(parts):
     assert first == len(engine.programs.ready) > 0
     engine.generate([PROMPT], SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert engine.programs.foreground_builds == first
+
+
+def test_adaptive_k_without_warmup_still_tries_every_k(parts):
+    """Without background compilation the controller is not limited to compiled K: each option gets compiled
+    (here, on the calling thread) and timed."""
+    target, dcfg, dw = parts
+    engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 4), dw,
+                       EngineConfig(page_size=4, max_model_len=128, max_num_seqs=1, prefill_chunk=32, adaptive_k=True))
+    engine.generate([PROMPT], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert set(engine.k_history) == set(engine.k_options) and len(engine.k_options) > 2

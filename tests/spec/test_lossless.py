@@ -155,7 +155,7 @@ def test_seeded_sampling_equals_plain_sampling(setup, params):
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_steps_padded_into_larger_ready_shapes_stay_lossless(setup, ar_greedy, adaptive):
     """With only the largest prefill and decode shapes compiled (and nothing compiled on demand), every step runs
-    padded up to them: batch rows, prefill tokens and page-table width."""
+    padded up to them: batch rows, prefill tokens and page-table width.  (Adaptive K can only choose K = 0.)"""
     from specjax.engine.programs import StepShape
 
     target, dcfg, dweights, prompts = setup
@@ -167,6 +167,8 @@ def test_steps_padded_into_larger_ready_shapes_stay_lossless(setup, ar_greedy, a
              StepShape("decode", 8, engine.k_options[0], full, "greedy")}  # K = 0 (adaptive) or 5
     for shape in built:
         engine.programs.build_now(shape)
+    engine.programs.on_demand = True  # adaptive K: choose among ready programs only ...
+    engine.programs.request = lambda shapes: None  # ... and never compile the exact shapes
     seqs = engine.generate(prompts, params)
     assert [s.output_ids for s in seqs] == outs
     assert engine.programs.foreground_builds == 0 and set(engine.programs.ready) == built

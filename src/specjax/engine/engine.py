@@ -443,11 +443,13 @@ class LLMEngine:
         # Pages are reserved for the largest K (_step_tokens), but a step gathers only those its K reaches.
         longest = max(s.num_tokens for s in seqs)
         pages = {k: self._pages_bucket(min(longest + k, self.config.max_model_len)) for k in self.k_options}
-        if self.controller is not None:  # choose among the K with a ready program (all of them once compiled)
-            needs = {k: StepShape("decode", b, k, pages[k], mode) for k in self.k_options}
-            ready = tuple(k for k in self.k_options if self.programs.find(needs[k]))
-            self.programs.request(needs[k] for k in self.k_options if k not in ready)
-            k = self.controller.choose(b, len(seqs), pages, ready or self.k_options)
+        if self.controller is not None:
+            options = self.k_options
+            if self.programs.on_demand:  # choose among the K with a ready program; the others compile meanwhile
+                needs = {k: StepShape("decode", b, k, pages[k], mode) for k in self.k_options}
+                options = tuple(k for k in self.k_options if self.programs.find(needs[k])) or self.k_options
+                self.programs.request(needs[k] for k in self.k_options if k not in options)
+            k = self.controller.choose(b, len(seqs), pages, options)
         else:
             k = self.k_options[0]
         need = StepShape("decode", b, k, pages[k], mode)
