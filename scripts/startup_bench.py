@@ -160,18 +160,23 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--soak-s", type=float, default=0.0, help="serve: soak of the last run, seconds")
     p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--fresh-cache", action="store_true", help="each run with an empty persistent compile cache")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     runs = []
     for i in range(args.runs):
-        if args.command == "generate":
-            r = run_generate(extra)
-        else:
-            r = run_serve(extra, args.soak_s if i == args.runs - 1 else 0.0, args.clients)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as cache:
+            run_extra = extra + (["--compile-cache", cache] if args.fresh_cache else [])
+            if args.command == "generate":
+                r = run_generate(run_extra)
+            else:
+                r = run_serve(run_extra, args.soak_s if i == args.runs - 1 else 0.0, args.clients)
         print(json.dumps({k: v for k, v in r.items() if k not in ("stderr", "stderr_tail", "soak")}), file=sys.stderr)
         runs.append(r)
     keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    summary = {"command": args.command, "extra_args": extra, "runs": runs,
+    summary = {"command": args.command, "extra_args": extra, "fresh_cache": args.fresh_cache, "runs": runs,
                "median": {k: statistics.median(r[k] for r in runs if r.get(k) is not None) for k in keys}}
     print(json.dumps(summary["median"], indent=1))
     if args.out:

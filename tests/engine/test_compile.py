@@ -45,10 +45,11 @@ def test_no_compile_after_warmup(parts):
 
 
 def test_background_warmup_compiles_what_steps_use_off_the_engine_thread(parts):
-    """Two shapes first; padded steps queue their exact shapes; once those are built a second identical request
-    runs in exact shapes only, and nothing ever compiles on the calling thread."""
+    """The prefill shape first; the first decode step waits for its own (built on the background thread), later
+    ones queue the page buckets ahead; a second identical request then runs in exact shapes only, and nothing ever
+    compiles on the calling thread."""
     engine = make_engine(parts)
-    assert engine.warmup(len(PROMPT), len(PROMPT) + NEW, modes=(GREEDY,), background=True) == 2
+    assert engine.warmup(len(PROMPT), len(PROMPT) + NEW, modes=(GREEDY,), background=True) == 1  # the prefill
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     [first] = engine.generate([PROMPT], params)
     assert engine.programs.wait_idle(300)

@@ -83,9 +83,12 @@ def test_a_failed_background_build_reaches_the_step_that_needs_it():
 def test_on_demand_a_padded_step_queues_its_shape_and_an_unfit_step_waits_for_the_background_thread():
     build = SlowBuild(0.05)
     progs = StepPrograms(build)
-    progs.on_demand = True
+    progs.on_demand, progs.demand_after = True, 3
     progs.build_now(shape(b=1, pg=16))
-    assert progs.get(shape(b=1, pg=4))[0] == shape(b=1, pg=16)  # runs padded now, its own shape queued
+    for _ in range(2):
+        assert progs.get(shape(b=1, pg=4))[0] == shape(b=1, pg=16)  # runs padded
+    assert progs.pending() == 0  # two steps wished for pg 4: not worth a compile yet
+    assert progs.get(shape(b=1, pg=4))[0] == shape(b=1, pg=16)  # the third queues it
     assert progs.get(shape(b=4, pg=4))[0] == shape(b=4, pg=4)  # nothing fits a batch of 4: built over there
     assert progs.wait_idle(5) and shape(b=1, pg=4) in progs.ready
     assert progs.foreground_builds == 0 and set(build.threads[1:]) == {"specjax-compile"}

@@ -33,6 +33,8 @@ from specjax.spec.proposer import NoProposer
 
 log = logging.getLogger(__name__)
 
+COMPILE_AHEAD = 32  # tokens: with on-demand compilation, the next page bucket's decode shape compiles this early
+
 
 class RequestError(ValueError):
     """A request cannot be served as given (too long, empty, out-of-vocabulary ids...)."""
@@ -282,9 +284,9 @@ class LLMEngine:
         """Compile the shapes for `batch_sizes` x `modes`: prefill chunks of `prefill_t` tokens, decode steps at
         every K option and page bucket of `decode_pages`.  Each is compiled and run once on dummy inputs
         (decode: twice more, timed, as the K controller's cost prior), `progress(done, total)` after each.
-        With `background`, only two shapes per mode are built now, without runs: a prefill of the largest chunk
-        and a K = 0 decode step at the largest page bucket, both for one sequence, so that a lone request runs at
-        once (padded); every other shape is compiled on demand on the background thread
+        With `background`, only a prefill of the largest chunk for one sequence is built now (per mode, without
+        runs): the first prompt runs at once, padded, and every other shape is compiled on demand on the
+        background thread
         (`self.programs.on_demand`): a step that runs padded, or a K option without a program, queues its exact
         shape, and a step that nothing ready fits (a larger batch) waits for its own.  Memory then grows with the
         shapes the workload uses, not with every bucket (a batch-16 step padded to the full context would also
@@ -297,8 +299,7 @@ class LLMEngine:
         now = []  # listed first so progress knows the total
         for mode in modes:
             if background:
-                now += [StepShape("prefill", prefill_b[0], max(prefill_t), full, mode),
-                        StepShape("decode", decode_b[0], min(self.k_options), max(decode_pages), mode)]
+                now.append(StepShape("prefill", prefill_b[0], max(prefill_t), full, mode))
             else:
                 now += [StepShape("prefill", b, t, full, mode) for b in prefill_b for t in prefill_t]
                 now += [StepShape("decode", b, k, pg, mode) for b in decode_b for pg in decode_pages
@@ -443,12 +444,15 @@ class LLMEngine:
         # Pages are reserved for the largest K (_step_tokens), but a step gathers only those its K reaches.
         longest = max(s.num_tokens for s in seqs)
         pages = {k: self._pages_bucket(min(longest + k, self.config.max_model_len)) for k in self.k_options}
+        options = self.k_options
+        if self.programs.on_demand:  # choose among the K with a ready program; the others compile meanwhile
+            needs = {k: StepShape("decode", b, k, pages[k], mode) for k in self.k_options}
+            options = tuple(k for k in self.k_options if self.programs.find(needs[k])) or self.k_options
+            self.programs.request(needs[k] for k in self.k_options if k not in options)
+            # ... and the page bucket the batch grows into within COMPILE_AHEAD tokens, before it gets there
+            self.programs.request(StepShape("decode", b, k, self._pages_bucket(
+                min(longest + k + COMPILE_AHEAD, self.config.max_model_len)), mode) for k in options)
         if self.controller is not None:
-            options = self.k_options
-            if self.programs.on_demand:  # choose among the K with a ready program; the others compile meanwhile
-                needs = {k: StepShape("decode", b, k, pages[k], mode) for k in self.k_options}
-                options = tuple(k for k in self.k_options if self.programs.find(needs[k])) or self.k_options
-                self.programs.request(needs[k] for k in self.k_options if k not in options)
             k = self.controller.choose(b, len(seqs), pages, options)
         else:
             k = self.k_options[0]

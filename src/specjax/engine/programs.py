@@ -6,8 +6,10 @@ A prefill chunk fits any ready program with batch, tokens and pages at least its
 are masked); a decode step needs its exact K but may run with a larger batch or page-table width.  When nothing
 ready fits, the exact shape is built: moved to the front of the background queue and waited for if it is queued
 there (or `on_demand`), otherwise compiled on the calling thread and counted in `foreground_builds` (a server that
-promises no compilation on its engine thread checks that this stays 0).  With `on_demand`, a step that runs padded
-also queues its exact shape, so only the shapes a workload uses get compiled: each XLA:CPU executable of a
+promises no compilation on its engine thread checks that this stays 0).  With `on_demand`, steps that run padded
+also queue their exact shape once `demand_after` of them asked for it (a short answer then compiles nothing while
+it decodes: tracing holds the GIL and compiling takes a core), so only the shapes a workload uses get compiled:
+each XLA:CPU executable of a
 30-layer target holds ~35-75 MB of host memory (measured on SmolLM2-135M), which is what made a server with
 every shape compiled hold 9.4 GB.
 """
@@ -46,7 +48,9 @@ class StepPrograms:
         self.runs: collections.Counter = collections.Counter()  # lookups that returned each shape
         self.build_seconds: dict[StepShape, float] = {}
         self.foreground_builds = 0
-        self.on_demand = False  # queue the exact shape of every step that had to run padded
+        self.on_demand = False  # queue the exact shape of steps that had to run padded
+        self.demand_after = 8  # ... once that many steps asked for it (a short answer compiles nothing more)
+        self._demand: collections.Counter = collections.Counter()
         self._queue: collections.deque[StepShape] = collections.deque()
         self._building: StepShape | None = None
         self._error: dict[StepShape, BaseException] = {}
@@ -87,9 +91,18 @@ class StepPrograms:
             self._thread.start()
 
     def request(self, shapes) -> None:
-        """Queue shapes a step could have used (on_demand only; ignored once closed)."""
-        if self.on_demand and not self._closed:
-            self.prefetch([s for s in shapes if s not in self.ready])
+        """Count a step's wish for shapes it could have used; queue each once `demand_after` steps wished for it
+        (on_demand only; ignored once closed)."""
+        if not self.on_demand or self._closed:
+            return
+        due = []
+        for s in shapes:
+            if s not in self.ready:
+                self._demand[s] += 1
+                if self._demand[s] >= self.demand_after:
+                    due.append(s)
+        if due:
+            self.prefetch(due)
 
     def pending(self) -> int:
         with self._cv:
