@@ -93,7 +93,7 @@ def test_bench_serve_names_the_server_that_cannot_start(tiny_dirs, tmp_path):
 
     cmd = [sys.executable, "-m", "specjax.cli", "bench-serve", "--model", tiny_dirs["qwen3"], "--drafter",
            str(tmp_path / "missing"), "--methods", "ar,dflash", "--concurrency", "1", "--max-model-len", "256",
-           "--no-warmup", "--compile-cache", ""]
+           "--warmup", "none", "--compile-cache", ""]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "the dflash server could not start" in proc.stderr and str(tmp_path / "missing") in proc.stderr

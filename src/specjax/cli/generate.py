@@ -35,7 +35,7 @@ def cmd_generate(args) -> int:
             n = engine.warmup(len(ids), len(ids) + params.max_new_tokens, modes=(mode,), progress=progress,
                               background=args.warmup == "background")
         later = engine.programs.pending()
-        print(f"[compiled/loaded {n} step shapes in {time.perf_counter() - t0:.1f}s"
+        print(f"[compiled/loaded {n} step shape{'s' * (n != 1)} in {time.perf_counter() - t0:.1f}s"
               + (f"; {later} more compile in the background" if later else "") + "]", file=sys.stderr)
     try:
         [res] = llm.generate([ids], params, on_text=lambda i, d: print(d, end="", flush=True))

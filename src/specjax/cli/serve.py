@@ -33,7 +33,7 @@ def build_server(args):
         with StderrProgress("warm-up: compiling step shapes") as progress:
             n = llm.engine.warmup_all(modes=modes, progress=progress, background=args.warmup == "background")
         later = llm.engine.programs.pending()
-        print(f"[warm-up: {n} step shapes compiled/loaded in {time.perf_counter() - t0:.1f}s"
+        print(f"[warm-up: {n} step shape{'s' * (n != 1)} compiled/loaded in {time.perf_counter() - t0:.1f}s"
               + (f"; {later} more compile in the background, none on the engine thread" if later else "") + "]",
               file=sys.stderr)
     print(memory_line(llm.engine.memory_bytes(), llm.engine.config), file=sys.stderr)
@@ -201,7 +201,7 @@ def cmd_bench_serve(args) -> int:
     return 0
 
 
-def add_server_args(p: argparse.ArgumentParser) -> None:
+def add_server_args(p: argparse.ArgumentParser, warmup: str) -> None:
     add_model_args(p)
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch")
     p.add_argument("--num-pages", type=int, default=0, help="KV pool pages (0 = max_num_seqs full sequences)")
@@ -212,10 +212,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="KV-page bucket growth: fewer shapes to compile at start-up vs. padded gathers")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
                    help="choose the number of drafts per step with a measured cost model (default on)")
-    p.add_argument("--warmup", default="background", choices=["background", "all", "none"],
-                   help="background (default): serve as soon as the largest prefill and decode shapes are compiled "
-                        "(smaller steps run padded into them) and compile the others on a second thread, never on "
-                        "the engine thread; all: compile every step shape before serving; none: compile on first use")
+    p.add_argument("--warmup", default=warmup, choices=["background", "all", "none"],
+                   help=f"background: serve once the prefill shape is compiled and compile the step shapes requests "
+                        f"need on a second thread, never on the engine thread (a step runs padded in a larger ready "
+                        f"shape or waits for its own); all: compile every step shape before serving (steady "
+                        f"timings); none: compile on first use (default: {warmup})")
     p.add_argument("--warmup-sampling", action="store_true", help="also compile the sampling variants at start-up")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--default-max-tokens", type=int, default=256)
@@ -223,13 +224,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def register(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    add_server_args(sv)
+    add_server_args(sv, warmup="background")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.set_defaults(func=cmd_serve)
 
     bs = sub.add_parser("bench-serve", help="serving benchmark: throughput / TTFT / TPOT / tau per concurrency")
-    add_server_args(bs)
+    add_server_args(bs, warmup="all")  # benchmarks time steady steps
     bs.add_argument("--methods", default="ar,dflash")
     bs.add_argument("--concurrency", default="1,4,8,16,32")
     bs.add_argument("--requests-per-level", type=int, default=16)
