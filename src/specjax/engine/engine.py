@@ -285,12 +285,9 @@ class LLMEngine:
         every K option and page bucket of `decode_pages`.  Each is compiled and run once on dummy inputs
         (decode: twice more, timed, as the K controller's cost prior), `progress(done, total)` after each.
         With `background`, only a prefill of the largest chunk for one sequence is built now (per mode, without
-        runs): the first prompt runs at once, padded, and every other shape is compiled on demand on the
-        background thread
-        (`self.programs.on_demand`): a step that runs padded, or a K option without a program, queues its exact
-        shape, and a step that nothing ready fits (a larger batch) waits for its own.  Memory then grows with the
-        shapes the workload uses, not with every bucket (a batch-16 step padded to the full context would also
-        need ~1.4 GB of temporaries).  The controller times real steps instead.
+        runs): the first prompt runs at once, padded, and every other shape compiles on demand on the background
+        thread (`self.programs.on_demand`, see engine/programs.py), so memory grows with the shapes the workload
+        uses, not with every bucket.  The controller then times real steps.
         """
         full = pick_bucket(self.config.max_pages_per_seq, self.page_buckets)
         prefill_b = sorted({pick_bucket(min(x, self.prefill_batch_buckets[-1]), self.prefill_batch_buckets)

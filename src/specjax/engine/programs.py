@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from typing import Callable, NamedTuple
 
 log = logging.getLogger(__name__)
@@ -46,7 +45,6 @@ class StepPrograms:
         self._build = build
         self.ready: dict[StepShape, Callable] = {}
         self.runs: collections.Counter = collections.Counter()  # lookups that returned each shape
-        self.build_seconds: dict[StepShape, float] = {}
         self.foreground_builds = 0
         self.on_demand = False  # queue the exact shape of steps that had to run padded
         self.demand_after = 8  # ... once that many steps asked for it (a short answer compiles nothing more)
@@ -64,11 +62,9 @@ class StepPrograms:
         with self._cv:
             if shape in self.ready:
                 return self.ready[shape]
-        t0 = time.perf_counter()
         fn = self._build(shape)
         with self._cv:
             self.ready.setdefault(shape, fn)
-            self.build_seconds.setdefault(shape, time.perf_counter() - t0)
             self._cv.notify_all()
             return self.ready[shape]
 
