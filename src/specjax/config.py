@@ -118,6 +118,9 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Devices the weights are split over (specjax/parallel.py); the fused projections' rows are grouped by it.
+    # Not part of the checkpoint: from_hf gives 1, to_hf drops it.
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
@@ -128,6 +131,15 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.tensor_parallel < 1:
+            raise ConfigError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        split = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+                 "intermediate_size": self.intermediate_size}
+        bad = [f"{k}={v}" for k, v in split.items() if v % self.tensor_parallel]
+        if bad:
+            raise ConfigError(f"tensor parallel size {self.tensor_parallel} does not divide {', '.join(bad)} of "
+                              f"this {self.family} model: choose a size that divides num_kv_heads="
+                              f"{self.num_kv_heads}, num_heads and intermediate_size")
 
     @property
     def q_size(self) -> int:

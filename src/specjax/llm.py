@@ -21,6 +21,7 @@ from specjax.engine.sequence import Sequence, SequenceStats
 from specjax.hostmem import keep_freed_memory
 from specjax.model.loader import LoadedModel, load_model
 from specjax.model.tokenizer import StreamDecoder
+from specjax.parallel import tensor_parallel_mesh
 from specjax.sampling import SamplingParams
 from specjax.spec.proposer import DFlashProposer, Eagle3Proposer, NgramProposer, NoProposer
 
@@ -101,11 +102,17 @@ def result_of(seq: Sequence, text: str) -> GenerationResult:
 class LLM:
     def __init__(self, model: str | None = None, drafter: str | None = None, method: str | None = None,
                  block_size: int | None = None, engine_config: EngineConfig | None = None, dtype: str = "float32",
-                 seed: int = 0, ngram: tuple[int, int] = (1, 3), target: LoadedModel | None = None):
+                 seed: int = 0, ngram: tuple[int, int] = (1, 3), target: LoadedModel | None = None,
+                 tensor_parallel_size: int = 1):
         if dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r} (float32, bfloat16)")
         keep_freed_memory()
-        self.target = target or load_model(model, DTYPES[dtype])  # `target`: reuse an already loaded model
+        if target is None:
+            target = load_model(model, DTYPES[dtype], tensor_parallel_mesh(tensor_parallel_size))
+        elif target.config.tensor_parallel != tensor_parallel_size:
+            raise ConfigError(f"the loaded target is split over {target.config.tensor_parallel} device(s), not "
+                              f"tensor_parallel_size={tensor_parallel_size}")
+        self.target = target  # `target`: reuse an already loaded model
         if drafter is None and method in (None, "dflash", "eagle3") and model in (None, "default"):
             drafter = default_drafter_path(method or "dflash")
         self.method = method or ("dflash" if drafter else "ar")
@@ -119,7 +126,7 @@ class LLM:
         if tok is not None and tok.token_id(tok.eos_token) is not None:
             eos.append(tok.token_id(tok.eos_token))
         self.engine = LLMEngine(self.target.config, self.target.weights, proposer, pweights, engine_config,
-                                eos_token_ids=tuple(dict.fromkeys(eos)), seed=seed)
+                                eos_token_ids=tuple(dict.fromkeys(eos)), seed=seed, mesh=self.target.mesh)
 
     @property
     def tokenizer(self):

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from specjax.cli.common import DEFAULT_CACHE, enable_compile_cache, machine_info
+from specjax.cli.common import DEFAULT_CACHE, add_parallel_args, enable_compile_cache, machine_info
 from specjax.config import ConfigError
 
 
@@ -19,6 +19,7 @@ def cmd_bench(args) -> int:
     from specjax.datasets import load_eval
     from specjax.llm import DTYPES, LLM
     from specjax.model.loader import load_model
+    from specjax.parallel import tensor_parallel_mesh
     from specjax.sampling import SamplingParams
 
     if args.quick:
@@ -31,7 +32,7 @@ def cmd_bench(args) -> int:
     methods = args.methods.split(",")
     if "ar" not in methods:
         methods = ["ar"] + methods  # the baseline every speedup is measured against
-    target = load_model(args.model, DTYPES[args.dtype])
+    target = load_model(args.model, DTYPES[args.dtype], tensor_parallel_mesh(args.tensor_parallel_size))
     datasets = {name: load_eval(name, args.data_dir, args.data_file)[:num_prompts] for name in datasets_arg.split(",")}
     params = SamplingParams(temperature=args.temperature, max_new_tokens=max_new, seed=args.seed)
     llms = {}
@@ -41,7 +42,8 @@ def cmd_bench(args) -> int:
         block = (k + 1) if (name == "dflash" and "@" in spec) else args.block_size
         cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=k)
         drafter = {"dflash": args.drafter, "eagle3": args.eagle3_drafter}.get(name)
-        llms[spec] = LLM(args.model, drafter, name, block, cfg, args.dtype, target=target)
+        llms[spec] = LLM(args.model, drafter, name, block, cfg, args.dtype, target=target,
+                         tensor_parallel_size=args.tensor_parallel_size)
     all_prompts = [p for ps in datasets.values() for p in ps]
     print(f"warming up {len(llms)} methods (compiling every step shape once)...", file=sys.stderr)
     for llm in llms.values():
@@ -201,6 +203,7 @@ def register(sub) -> None:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_parallel_args(b)
     b.add_argument("--max-model-len", type=int, default=2048)
     b.add_argument("--data-dir", default=None)
     b.add_argument("--data-file", default=None, help="one JSONL file (with a single --datasets entry)")

@@ -37,6 +37,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights/activations dtype (float32 is fastest on CPU)")
     p.add_argument("--compile-cache", default=DEFAULT_CACHE, help="persistent XLA cache dir ('' to disable)")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the target over this many devices (heads, MLP and vocabulary; KV pages by KV head)")
 
 
 UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30}

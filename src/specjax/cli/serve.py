@@ -26,7 +26,7 @@ def build_server(args):
                        adaptive_k=args.adaptive_k and args.method != "ar", prefill_chunk=args.prefill_chunk,
                        page_bucket_factor=args.page_bucket_factor)
     llm = LLM(args.model, args.drafter, args.method, args.block_size, cfg, dtype=args.dtype,
-              ngram=tuple(int(x) for x in args.ngram.split(",")))
+              ngram=tuple(int(x) for x in args.ngram.split(",")), tensor_parallel_size=args.tensor_parallel_size)
     if args.warmup != "none":
         t0 = time.perf_counter()
         modes = (GREEDY, SAMPLE, SAMPLE_FILTERED) if args.warmup_sampling else (GREEDY,)

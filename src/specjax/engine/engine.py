@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from specjax.config import ConfigError, EngineConfig, ModelConfig
 from specjax.engine import runner
@@ -28,6 +29,7 @@ from specjax.engine.programs import StepPrograms, StepShape
 from specjax.engine.sequence import Sequence, Status
 from specjax.kv.allocator import OutOfPages, PageAllocator
 from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages
+from specjax.parallel import kv_spec, mesh_size, replicate, zeros_like_tree
 from specjax.sampling import GREEDY, SamplingParams, sampler_mode
 from specjax.spec.proposer import NoProposer
 
@@ -75,11 +77,14 @@ def pool_from_budget(config: EngineConfig, tcfg: ModelConfig, proposer, dtype) -
 class LLMEngine:
     def __init__(self, tcfg: ModelConfig, tweights: TargetWeights, proposer=None, pweights=None,
                  config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
-                 record_drafts: bool = False):
-        self.tcfg, self.tweights = tcfg, tweights
+                 record_drafts: bool = False, mesh=None):
+        if tcfg.tensor_parallel != mesh_size(mesh):
+            raise ConfigError(f"the target is laid out for tensor_parallel={tcfg.tensor_parallel} but the engine "
+                              f"got a mesh of {mesh_size(mesh)} device(s): load it with the same mesh")
+        self.tcfg, self.tweights, self.mesh = tcfg, tweights, mesh
         self.proposer = proposer or NoProposer()
         prepare = getattr(self.proposer, "prepare", None)
-        self.pweights = prepare(pweights, tweights) if prepare is not None else pweights
+        self.pweights = replicate(prepare(pweights, tweights) if prepare is not None else pweights, mesh)
         config = config or EngineConfig()
         if config.kv_cache_memory:
             config = pool_from_budget(config, tcfg, self.proposer, tweights.embed.dtype)
@@ -103,9 +108,11 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids) or tcfg.eos_token_ids
         self.allocator = PageAllocator(config.pool_pages, config.page_size)
         dtype = tweights.embed.dtype
-        self.kv = init_kv_pages(tcfg.num_layers, config.pool_pages, config.page_size, tcfg.num_kv_heads,
-                                tcfg.head_dim, dtype)
-        self.pstate = self.proposer.init_state(config.pool_pages, config.page_size, dtype)
+        self.kv = zeros_like_tree(lambda: init_kv_pages(tcfg.num_layers, config.pool_pages, config.page_size,
+                                                        tcfg.num_kv_heads, tcfg.head_dim, dtype), mesh, kv_spec())
+        self.pstate = zeros_like_tree(lambda: self.proposer.init_state(config.pool_pages, config.page_size, dtype),
+                                      mesh, PartitionSpec())
+        self._inputs_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())  # host inputs
         self.batch_buckets = pow2_buckets(1, config.max_num_seqs)
         self.prefill_batch_buckets = pow2_buckets(1, min(config.max_prefill_seqs, config.max_num_seqs))
         self.page_buckets = pow2_buckets(1, config.max_pages_per_seq, config.page_bucket_factor)
@@ -225,11 +232,12 @@ class LLMEngine:
     def _build_program(self, shape: StepShape):
         """Compile one step shape and the commit of its rows -> (step, commit), both AOT-compiled executables
         (the persistent compile cache applies)."""
-        def spec(tree):
-            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+        def spec(tree, sharding=None):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding),
+                                tree)
 
         state = spec((self.tweights, self.kv, self.pweights, self.pstate))
-        args = spec(self._step_args(shape))
+        args = spec(self._step_args(shape), self._inputs_sharding)
         if shape.kind == "prefill":
             step = runner.prefill_step.lower(*state, *args, tcfg=self.tcfg, proposer=self.proposer,
                                              mode=shape.mode).compile()
@@ -246,6 +254,8 @@ class LLMEngine:
     def _run(self, shape: StepShape, program, *args):
         """Run a step program and commit its rows; -> the step's outputs."""
         step, commit = program
+        if self._inputs_sharding is not None:
+            args = jax.device_put(args, self._inputs_sharding)
         out = step(self.tweights, self.kv, self.pweights, self.pstate, *args)
         if shape.kind == "prefill":
             self.kv, self.pstate = commit(self.kv, self.pstate, args[0].slots, out[1], args[0].slots, out[2])

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from specjax.config import ConfigError, ModelConfig, RopeConfig
+from specjax.config import ConfigError, ModelConfig, RopeConfig, replace
 from specjax.model import hub
-from specjax.model.target import TargetLayer, TargetWeights
+from specjax.model.target import TargetLayer, TargetWeights, fused_row_order, gate_up_parts, qkv_parts
 from specjax.model.tokenizer import Tokenizer
+from specjax.parallel import mesh_size, placer
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class LoadedModel:
     weights: TargetWeights
     tokenizer: Tokenizer | None
     source: str
+    mesh: Mesh | None = None  # the devices the weights are split over (tensor parallelism), None = one device
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -133,31 +136,39 @@ class TensorReader:
 # Assembly (shared by both formats)
 # --------------------------------------------------------------------------------------------------------------
 
-def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str, dtype=jnp.float32) -> TargetWeights:
-    """Build TargetWeights from HF-named [out, in] arrays, checking names and shapes against `cfg`."""
+def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str, dtype=jnp.float32,
+                    mesh=None) -> tuple[ModelConfig, TargetWeights]:
+    """Build TargetWeights from HF-named [out, in] arrays, checking names and shapes against `cfg`; with a
+    `mesh`, split over it for tensor parallelism (specjax/parallel.py).  -> (cfg with its tensor_parallel set,
+    weights)."""
+    cfg = replace(cfg, tensor_parallel=mesh_size(mesh))
     reader = TensorReader(tensors, source)
     take = reader.take
 
     d, v, h, f = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
     qs, kvs = cfg.q_size, cfg.kv_size
-    dev = lambda a: None if a is None else jnp.asarray(a, dtype=dtype)  # noqa: E731
+    dev = placer(mesh, cfg, dtype)
+    qkv_rows = fused_row_order(qkv_parts(cfg), cfg.tensor_parallel)
+    gate_up_rows = fused_row_order(gate_up_parts(cfg), cfg.tensor_parallel)
     layers = []
     for i in range(cfg.num_layers):
         n = hf_layer_names(i)
         wq, wk, wv = take(n["q"], (qs, d)), take(n["k"], (kvs, d)), take(n["v"], (kvs, d))
         bias = None
         if cfg.qkv_bias:
-            bias = np.concatenate([take(n["q_bias"], (qs,)), take(n["k_bias"], (kvs,)), take(n["v_bias"], (kvs,))])
+            bias = np.concatenate([take(n["q_bias"], (qs,)), take(n["k_bias"], (kvs,)),
+                                   take(n["v_bias"], (kvs,))])[qkv_rows]
+        gate_up = np.concatenate([take(n["gate"], (f, d)), take(n["up"], (f, d))], axis=0)
         layers.append(TargetLayer(
-            attn_norm=dev(take(n["attn_norm"], (d,))),
-            w_qkv=dev(np.concatenate([wq, wk, wv], axis=0)),
-            b_qkv=dev(bias),
-            q_norm=dev(take(n["q_norm"], (h,))) if cfg.qk_norm else None,
-            k_norm=dev(take(n["k_norm"], (h,))) if cfg.qk_norm else None,
-            w_o=dev(take(n["o"], (d, qs))),
-            mlp_norm=dev(take(n["mlp_norm"], (d,))),
-            w_gate_up=dev(np.concatenate([take(n["gate"], (f, d)), take(n["up"], (f, d))], axis=0)),
-            w_down=dev(take(n["down"], (d, f))),
+            attn_norm=dev(take(n["attn_norm"], (d,)), "replicated"),
+            w_qkv=dev(np.concatenate([wq, wk, wv], axis=0)[qkv_rows], "rows"),
+            b_qkv=dev(bias, "rows"),
+            q_norm=dev(take(n["q_norm"], (h,)), "replicated") if cfg.qk_norm else None,
+            k_norm=dev(take(n["k_norm"], (h,)), "replicated") if cfg.qk_norm else None,
+            w_o=dev(take(n["o"], (d, qs)), "cols"),
+            mlp_norm=dev(take(n["mlp_norm"], (d,)), "replicated"),
+            w_gate_up=dev(gate_up[gate_up_rows], "rows"),
+            w_down=dev(take(n["down"], (d, f)), "cols"),
         ))
     embed = take(HF_GLOBAL_NAMES["embed"], (v, d))
     final_norm = take(HF_GLOBAL_NAMES["final_norm"], (d,))
@@ -165,11 +176,12 @@ def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: st
         lm_head = None
         reader.used.add(HF_GLOBAL_NAMES["lm_head"])  # some tied checkpoints still carry a copy; HF ignores it too
     else:
-        lm_head = dev(take(HF_GLOBAL_NAMES["lm_head"], (v, d)))
+        lm_head = dev(take(HF_GLOBAL_NAMES["lm_head"], (v, d)), "vocab")
     unexpected = [k for k in reader.unexpected() if not HF_IGNORED.match(k)]
     if unexpected:
         raise CheckpointError(f"{source}: unexpected tensors for {cfg.family} config: {unexpected[:8]}")
-    return TargetWeights(embed=dev(embed), layers=tuple(layers), final_norm=dev(final_norm), lm_head=lm_head)
+    return cfg, TargetWeights(embed=dev(embed, "vocab"), layers=tuple(layers),
+                              final_norm=dev(final_norm, "replicated"), lm_head=lm_head)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -221,16 +233,16 @@ def load_safetensors_any_dtype(path: str) -> dict[str, np.ndarray]:
     return {k: (v.astype(np.float32) if v.dtype == ml_dtypes.bfloat16 else v) for k, v in out.items()}
 
 
-def load_hf_dir(path: str, dtype=jnp.float32) -> LoadedModel:
+def load_hf_dir(path: str, dtype=jnp.float32, mesh=None) -> LoadedModel:
     cfg = ModelConfig.from_hf(read_json(os.path.join(path, "config.json"), "config.json"))
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):  # generation_config often lists extra stop ids (e.g. Llama-3 <|eot_id|>)
         eos = read_json(gen_path, "generation_config.json").get("eos_token_id")
         extra = eos if isinstance(eos, list) else [eos] if eos is not None else []
         cfg = _with_eos(cfg, list(cfg.eos_token_ids) + [int(e) for e in extra])
-    weights = assemble_target(cfg, read_safetensors_dir(path), path, dtype)
+    cfg, weights = assemble_target(cfg, read_safetensors_dir(path), path, dtype, mesh)
     tokenizer = Tokenizer.from_hf_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-    return LoadedModel(cfg, weights, tokenizer, path)
+    return LoadedModel(cfg, weights, tokenizer, path, mesh)
 
 
 def _with_eos(cfg: ModelConfig, eos: list[int]) -> ModelConfig:
@@ -296,7 +308,7 @@ def gguf_model_config(reader, source: str) -> ModelConfig:
     )
 
 
-def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
+def load_gguf(path: str, dtype=jnp.float32, mesh=None) -> LoadedModel:
     import gguf
 
     from specjax.model.gguf_file import GGUFFile
@@ -319,8 +331,8 @@ def load_gguf(path: str, dtype=jnp.float32) -> LoadedModel:
             heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
             arr = unpermute_llama_qk(arr, heads)
         tensors[name] = arr
-    weights = assemble_target(cfg, tensors, path, dtype)
-    return LoadedModel(cfg, weights, Tokenizer.from_gguf(reader, path), path)
+    cfg, weights = assemble_target(cfg, tensors, path, dtype, mesh)
+    return LoadedModel(cfg, weights, Tokenizer.from_gguf(reader, path), path, mesh)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -347,16 +359,16 @@ def default_model_path() -> str:
     return path
 
 
-def load_model(path: str | None = None, dtype=jnp.float32) -> LoadedModel:
+def load_model(path: str | None = None, dtype=jnp.float32, mesh=None) -> LoadedModel:
     """Load a target from a HF directory, a .gguf file, a hub name ("org/name[@revision]", see model/hub.py), or
     (None / "default") the embedded SmolLM2."""
     if path in (None, "default"):
         path = default_model_path()
     path = hub.resolve(path, "model")
     if os.path.isdir(path):
-        return load_hf_dir(path, dtype)
+        return load_hf_dir(path, dtype, mesh)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise CheckpointError(f"model file must be a .gguf (or pass a HF model directory): {path}")
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, mesh)
     raise CheckpointError(f"model path does not exist: {path}")

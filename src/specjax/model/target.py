@@ -11,6 +11,11 @@ for the M = B * T tokens of a step, so every projection is `W @ x` with the larg
 (YNNPACK dots) this is what keeps a verify step of q tokens close to the cost of one: the same products written
 token-major (`x @ W[in, out]`) cost 1.5-2x more at q = 4..16 (docs/results/kflat.md); on accelerators the
 layout is free.  Attention and the outputs are token-major; only those small activations are transposed.
+
+Tensor parallelism (specjax/parallel.py) shards the fused q/k/v and gate/up rows, w_o and w_down columns, the KV
+pools' head axis and the vocabulary over `cfg.tensor_parallel` devices; the fused rows are stored grouped by
+shard (`fused_row_order`) so that each device's slice holds whole heads and its own gate and up rows.  The code
+is the same for every degree (one group = HF order); XLA inserts the two all-reduces per layer.
 """
 
 from __future__ import annotations
@@ -20,23 +25,41 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.model.attention import KVRows, paged_attention
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin
 
 
+def fused_row_order(part_sizes: tuple[int, ...], shards: int) -> np.ndarray:
+    """Row order of a fused projection for `shards`-way tensor parallelism: HF row indices, shard by shard, each
+    shard holding its slice of every part (q heads, k heads, v heads; or gate, up).  With one shard it is the
+    identity; `np.argsort` of it restores HF order."""
+    starts = np.cumsum((0,) + tuple(part_sizes))
+    return np.concatenate([np.arange(start + s * size // shards, start + (s + 1) * size // shards)
+                           for s in range(shards) for start, size in zip(starts, part_sizes)])
+
+
+def qkv_parts(cfg: ModelConfig) -> tuple[int, int, int]:
+    return cfg.q_size, cfg.kv_size, cfg.kv_size
+
+
+def gate_up_parts(cfg: ModelConfig) -> tuple[int, int]:
+    return cfg.intermediate_size, cfg.intermediate_size
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class TargetLayer:
     attn_norm: jax.Array  # [D]
-    w_qkv: jax.Array  # [(N + 2K) * H, D]: q, k, v projections fused
-    b_qkv: jax.Array | None  # [(N + 2K) * H] (Qwen2) or None
+    w_qkv: jax.Array  # [(N + 2K) * H, D]: q, k, v projections fused, rows in fused_row_order(qkv_parts)
+    b_qkv: jax.Array | None  # [(N + 2K) * H] (Qwen2) or None, same row order
     q_norm: jax.Array | None  # [H] (Qwen3) or None
     k_norm: jax.Array | None  # [H] (Qwen3) or None
     w_o: jax.Array  # [D, N * H]
     mlp_norm: jax.Array  # [D]
-    w_gate_up: jax.Array  # [2F, D]: gate and up fused
+    w_gate_up: jax.Array  # [2F, D]: gate and up fused, rows in fused_row_order(gate_up_parts)
     w_down: jax.Array  # [D, F]
 
 
@@ -97,12 +120,13 @@ class ForwardBatch:
 def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, batch: ForwardBatch, cos, sin):
     """Pre-norm attention of one layer over the pages plus the new rows.  x: [D, B*T] -> (x, k_new, v_new)."""
     b, t = batch.tokens.shape
+    g = cfg.tensor_parallel
     xn = rms_norm(x, layer.attn_norm[:, None], cfg.rms_norm_eps, axis=0)
-    qkv = layer.w_qkv @ xn  # [(N + 2K) * H, B*T]
+    qkv = layer.w_qkv @ xn  # [(N + 2K) * H, B*T], rows grouped by shard (see fused_row_order)
     if layer.b_qkv is not None:
         qkv = qkv + layer.b_qkv[:, None]
-    qkv = kept(qkv).T.reshape(b, t, -1)
-    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    qkv = kept(qkv).T.reshape(b, t, g, -1)
+    q, k, v = jnp.split(qkv, [cfg.q_size // g, (cfg.q_size + cfg.kv_size) // g], axis=-1)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -117,7 +141,9 @@ def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, bat
 
 def mlp_block(layer: TargetLayer, cfg: ModelConfig, x):
     """Pre-norm SwiGLU MLP, feature-major: x [D, M] -> x + down(silu(gate) * up)."""
-    gate, up = jnp.split(layer.w_gate_up @ rms_norm(x, layer.mlp_norm[:, None], cfg.rms_norm_eps, axis=0), 2, axis=0)
+    gate_up = layer.w_gate_up @ rms_norm(x, layer.mlp_norm[:, None], cfg.rms_norm_eps, axis=0)  # grouped by shard
+    gate_up = gate_up.reshape(cfg.tensor_parallel, 2, -1, x.shape[1])
+    gate, up = (gate_up[:, i].reshape(cfg.intermediate_size, -1) for i in range(2))
     return x + layer.w_down @ (jax.nn.silu(gate) * up)
 
 

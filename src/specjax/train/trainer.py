@@ -149,6 +149,8 @@ def init_from_target(params, dcfg: DrafterConfig, target, layers: tuple[int, ...
     norm, so the first drafter layer's context K/V start as the target layer's own; the final norm is the
     target's.  Needs the drafter geometry to equal the target's; per-head q/k norms start at 1 (Llama has none)."""
     tcfg, tw = target.config, target.weights
+    if tcfg.tensor_parallel != 1:
+        raise ValueError("--init-target-layers needs the target on one device (its fused rows in HF order)")
     if len(layers) != dcfg.num_layers:
         raise ValueError(f"--init-target-layers names {len(layers)} layers for a {dcfg.num_layers}-layer drafter")
     if (dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim, dcfg.intermediate_size) != \

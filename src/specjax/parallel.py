@@ -1,0 +1,96 @@
+"""Tensor parallelism on a jax Mesh: the mesh, how every array of a target, its KV pages and the drafters is laid
+out over it, and placing arrays there.  The collectives are XLA's (GSPMD), never written by hand.
+
+Megatron layout over the mesh axis "tp": the fused q/k/v and gate/up projections are split by rows (whole heads
+and matching gate/up rows per device, see model/target.py `fused_row_order`), w_o and w_down by columns (their
+products end in the two all-reduces of a layer), the KV pools by KV head, the vocabulary (embedding and LM
+head) by rows when the vocabulary divides, else replicated; norms, the drafter and its state are replicated.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from specjax.config import ConfigError, ModelConfig
+
+AXIS = "tp"
+
+
+def tensor_parallel_mesh(size: int, devices=None) -> Mesh | None:
+    """A 1-D mesh of the first `size` devices (of `devices`, default all); None for size 1 without `devices`
+    (plain single-device arrays)."""
+    if size < 1:
+        raise ConfigError(f"--tensor-parallel-size must be >= 1, got {size}")
+    if size == 1 and devices is None:
+        return None
+    devices = list(jax.devices() if devices is None else devices)
+    if size > len(devices):
+        hint = (" (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N before the process starts makes N "
+                "virtual devices)" if devices[0].platform == "cpu" else "")
+        raise ConfigError(f"--tensor-parallel-size {size} needs {size} devices but {len(devices)} "
+                          f"{devices[0].platform} device(s) are available{hint}")
+    return Mesh(np.array(devices[:size]), (AXIS,))
+
+
+def mesh_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.size
+
+
+def target_spec(cfg: ModelConfig, role: str) -> P:
+    """PartitionSpec of a target weight by role: "rows" (fused q/k/v, gate/up, their biases), "cols" (w_o,
+    w_down), "vocab" (embedding, LM head), "replicated" (norms)."""
+    if role == "rows":
+        return P(AXIS)
+    if role == "cols":
+        return P(None, AXIS)
+    if role == "vocab":
+        return P(AXIS) if cfg.vocab_size % cfg.tensor_parallel == 0 else P()
+    if role == "replicated":
+        return P()
+    raise ValueError(f"unknown weight role {role!r}")
+
+
+def kv_spec() -> P:
+    """KV pools [K, P, Z, H]: split by KV head."""
+    return P(AXIS)
+
+
+def placer(mesh: Mesh | None, cfg: ModelConfig, dtype):
+    """-> place(host_array, role): a device array of `dtype` laid out by role; each device receives only its
+    shard (nothing is gathered on one device first).  Without a mesh: the default device."""
+    import jax.numpy as jnp
+
+    def place(a, role: str):
+        if a is None:
+            return None
+        if mesh is None:
+            return jnp.asarray(a, dtype=dtype)
+        return jax.device_put(np.asarray(a).astype(dtype, copy=False), NamedSharding(mesh, target_spec(cfg, role)))
+
+    return place
+
+
+def replicate(tree, mesh: Mesh | None):
+    """Every array leaf of `tree` replicated over `mesh`, except leaves already on it (e.g. the target's
+    embedding shared by a drafter keeps its sharding)."""
+    if mesh is None or tree is None:
+        return tree
+    everywhere = NamedSharding(mesh, P())
+
+    def put(x):
+        if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, everywhere) if isinstance(x, (jax.Array, np.ndarray)) else x
+
+    return jax.tree_util.tree_map(put, tree)
+
+
+def zeros_like_tree(make, mesh: Mesh | None, spec: P):
+    """Run `make()` (a function building a pytree of zeros) with every leaf created directly in `spec` on `mesh`
+    (no full copy on one device first).  Without a mesh: make() as is."""
+    if mesh is None:
+        return make()
+    return jax.jit(make, out_shardings=NamedSharding(mesh, spec))()
