@@ -18,6 +18,7 @@ def build_server(args):
     from specjax.sampling import GREEDY, SAMPLE, SAMPLE_FILTERED
     from specjax.serve.api import create_app
     from specjax.serve.metrics import Metrics
+    from specjax.serve.replicas import DataParallelService
     from specjax.serve.service import EngineService
 
     cfg = EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -25,24 +26,47 @@ def build_server(args):
                        num_draft_tokens=args.num_draft_tokens,
                        adaptive_k=args.adaptive_k and args.method != "ar", prefill_chunk=args.prefill_chunk,
                        page_bucket_factor=args.page_bucket_factor)
-    llm = LLM(args.model, args.drafter, args.method, args.block_size, cfg, dtype=args.dtype,
-              ngram=tuple(int(x) for x in args.ngram.split(",")), tensor_parallel_size=args.tensor_parallel_size)
-    if args.warmup != "none":
-        t0 = time.perf_counter()
-        modes = (GREEDY, SAMPLE, SAMPLE_FILTERED) if args.warmup_sampling else (GREEDY,)
-        with StderrProgress("warm-up: compiling step shapes") as progress:
-            n = llm.engine.warmup_all(modes=modes, progress=progress, background=args.warmup == "background")
-        later = llm.engine.programs.pending()
-        print(f"[warm-up: {n} step shape{'s' * (n != 1)} compiled/loaded in {time.perf_counter() - t0:.1f}s"
-              + (f"; {later} more compile in the background, none on the engine thread" if later else "") + "]",
-              file=sys.stderr)
-    print(memory_line(llm.engine.memory_bytes(), llm.engine.config), file=sys.stderr)
-    service = EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft)))
+    services = []
+    for i, devices in enumerate(replica_devices(args.data_parallel_size, args.tensor_parallel_size)):
+        llm = LLM(args.model, args.drafter, args.method, args.block_size, cfg, dtype=args.dtype,
+                  ngram=tuple(int(x) for x in args.ngram.split(",")), tensor_parallel_size=args.tensor_parallel_size,
+                  devices=devices)
+        replica = f" (replica {i} on {', '.join(str(d) for d in devices)})" if args.data_parallel_size > 1 else ""
+        if args.warmup != "none":
+            t0 = time.perf_counter()
+            modes = (GREEDY, SAMPLE, SAMPLE_FILTERED) if args.warmup_sampling else (GREEDY,)
+            with StderrProgress("warm-up: compiling step shapes") as progress:
+                n = llm.engine.warmup_all(modes=modes, progress=progress, background=args.warmup == "background")
+            later = llm.engine.programs.pending()
+            print(f"[warm-up{replica}: {n} step shape{'s' * (n != 1)} compiled/loaded in "
+                  f"{time.perf_counter() - t0:.1f}s"
+                  + (f"; {later} more compile in the background, none on the engine thread" if later else "") + "]",
+                  file=sys.stderr)
+        print(memory_line(llm.engine.memory_bytes(), llm.engine.config, replica), file=sys.stderr)
+        services.append(EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft))))
+    service = services[0] if len(services) == 1 else DataParallelService(services)
     name = args.served_model_name or os.path.basename(str(llm.target.source)).removesuffix(".gguf")
     return create_app(service, name, args.default_max_tokens), service, llm, name
 
 
-def memory_line(memory: dict[str, dict[str, int]], cfg) -> str:
+def replica_devices(data_parallel: int, tensor_parallel: int) -> list:
+    """Disjoint device groups, one per engine replica: [None] (the default placement) for one replica."""
+    import jax
+
+    from specjax.config import ConfigError
+
+    if data_parallel < 1:
+        raise ConfigError(f"--data-parallel-size must be >= 1, got {data_parallel}")
+    if data_parallel == 1:
+        return [None]
+    devices = jax.devices()
+    if data_parallel * tensor_parallel > len(devices):
+        raise ConfigError(f"--data-parallel-size {data_parallel} x --tensor-parallel-size {tensor_parallel} needs "
+                          f"{data_parallel * tensor_parallel} devices but {len(devices)} are available")
+    return [devices[i * tensor_parallel:(i + 1) * tensor_parallel] for i in range(data_parallel)]
+
+
+def memory_line(memory: dict[str, dict[str, int]], cfg, replica: str = "") -> str:
     """One start-up line: device bytes per part (per device when there are several) and the process RSS."""
     from specjax.hostmem import resident_bytes
 
@@ -54,7 +78,7 @@ def memory_line(memory: dict[str, dict[str, int]], cfg) -> str:
         each = "" if len(devices) < 2 else " (" + ", ".join(f"{d} {gb(n)}" for d, n in devices.items()) + ")"
         parts.append(f"{part} {gb(sum(devices.values()))}{each}")
     pool = f"{(cfg.pool_pages - 1) * cfg.page_size} tokens"
-    return f"[memory: {', '.join(parts)} (KV pool: {pool}); process resident {gb(resident_bytes())}]"
+    return f"[memory{replica}: {', '.join(parts)} (KV pool: {pool}); process resident {gb(resident_bytes())}]"
 
 
 def cmd_serve(args) -> int:
@@ -203,6 +227,9 @@ def cmd_bench_serve(args) -> int:
 
 def add_server_args(p: argparse.ArgumentParser, warmup: str) -> None:
     add_model_args(p)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas on disjoint device groups (of --tensor-parallel-size devices each) behind "
+                        "one server; requests go to the least loaded")
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch")
     p.add_argument("--num-pages", type=int, default=0, help="KV pool pages (0 = max_num_seqs full sequences)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=0,

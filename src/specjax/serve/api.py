@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specjax.engine.engine import RequestError
 from specjax.sampling import SamplingError, SamplingParams
+from specjax.serve.replicas import DataParallelService
 from specjax.serve.service import EngineService
 
 
@@ -104,14 +105,13 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None
 
 
-def create_app(service: EngineService, model_name: str, default_max_tokens: int = 256) -> FastAPI:
+def create_app(service: EngineService | DataParallelService, model_name: str, default_max_tokens: int = 256) -> FastAPI:
     app = FastAPI(title="specjax", version="0.1.0")
-    engine = service.engine
     tokenizer = service.tokenizer
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        service.metrics.rejected.inc()
+        service.count_rejected()
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
@@ -122,7 +122,7 @@ def create_app(service: EngineService, model_name: str, default_max_tokens: int 
 
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError):
-        service.metrics.rejected.inc()
+        service.count_rejected()
         return error_response(exc.message, exc.param, exc.status, exc.code)
 
     def check_model(name: str) -> None:
@@ -135,7 +135,7 @@ def create_app(service: EngineService, model_name: str, default_max_tokens: int 
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                     max_new_tokens=max_tokens or default_max_tokens, seed=req.seed,
                                     ignore_eos=req.ignore_eos)
-            engine.validate_request(prompt_ids, params)
+            service.validate_request(prompt_ids, params)
         except (SamplingError, RequestError) as e:
             raise OpenAIError(str(e)) from None
         if service.error is not None:
@@ -146,8 +146,7 @@ def create_app(service: EngineService, model_name: str, default_max_tokens: int 
     async def health():
         if service.error is not None:
             return error_response(f"engine stopped: {service.error}", status=500)
-        programs = service.engine.programs
-        return {"status": "ok", "step_programs": {"ready": len(programs.ready), "compiling": programs.pending()}}
+        return {"status": "ok", **service.health()}
 
     @app.get("/v1/models")
     async def models():
@@ -156,8 +155,7 @@ def create_app(service: EngineService, model_name: str, default_max_tokens: int 
 
     @app.get("/metrics")
     async def metrics():
-        service.metrics.set_programs(service.engine.programs)
-        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(service.metrics_text(), media_type="text/plain; version=0.0.4")
 
     async def run(request: Request, req: SamplingFields, prompt_ids: list[int], params: SamplingParams, chat: bool):
         state = service.submit(prompt_ids, params, req.stops())

@@ -50,6 +50,7 @@ class RequestState:
     first_token: float | None = None
     completion_tokens: int = 0
     done: bool = False
+    owner: "EngineService | None" = None  # the service (engine replica) serving it
 
 
 class EngineService:
@@ -66,6 +67,8 @@ class EngineService:
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
         self.error: BaseException | None = None
+        self._outstanding = 0  # submitted and not finished (load balancing across replicas)
+        self._outstanding_lock = threading.Lock()
         metrics.kv_pages_total.set(engine.allocator.num_pages - 1)
 
     # ------------------------------------------------------------------------------------------- API threads
@@ -80,17 +83,41 @@ class EngineService:
             self.thread.join(timeout=30)
         self.engine.programs.close()  # background compilation, if any
 
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the engine cannot serve the request (read-only)."""
+        self.engine.validate_request(prompt_ids, params)
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = ()) -> RequestState:
         """Queue a validated request; events arrive on the returned state's `events` (asyncio) queue."""
         state = RequestState(next(self.ids), list(prompt_ids), params, tuple(s for s in stop if s),
                              asyncio.get_running_loop(), asyncio.Queue(),
-                             StreamDecoder(self.tokenizer) if self.tokenizer is not None else None)
+                             StreamDecoder(self.tokenizer) if self.tokenizer is not None else None, owner=self)
+        with self._outstanding_lock:
+            self._outstanding += 1
         self.commands.put(("add", state))
         return state
 
     def abort(self, state: RequestState) -> None:
         if not state.done:
             self.commands.put(("abort", state))
+
+    def outstanding(self) -> int:
+        """Requests submitted and not finished."""
+        return self._outstanding
+
+    def health(self) -> dict:
+        """/health body: compiled programs and the engine's load (read without locking: a snapshot)."""
+        engine = self.engine
+        return {"step_programs": {"ready": len(engine.programs.ready), "compiling": engine.programs.pending()},
+                "running": len(engine.running), "waiting": len(engine.waiting),
+                "kv_pages_used": engine.allocator.num_used}
+
+    def count_rejected(self) -> None:
+        self.metrics.rejected.inc()
+
+    def metrics_text(self) -> bytes:
+        self.metrics.set_programs(self.engine.programs)
+        return self.metrics.render()
 
     # ------------------------------------------------------------------------------------------- engine thread
     def _loop(self) -> None:
@@ -173,6 +200,8 @@ class EngineService:
 
     def _finish(self, state: RequestState, reason: str | None, emit: bool = True) -> None:
         state.done = True
+        with self._outstanding_lock:
+            self._outstanding -= 1
         self.by_seq.pop(state.seq_id, None)
         self.by_request.pop(state.request_id, None)
         self.engine.seqs.pop(state.seq_id, None)  # the engine keeps finished sequences until someone takes them
