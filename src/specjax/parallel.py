@@ -35,6 +35,41 @@ def tensor_parallel_mesh(size: int, devices=None) -> Mesh | None:
     return Mesh(np.array(devices[:size]), (AXIS,))
 
 
+def initialize_distributed(coordinator_address: str | None, num_processes: int | None,
+                           process_id: int | None) -> None:
+    """Join a multi-process (multi-host) jax run through `jax.distributed.initialize`, before any device is used;
+    CPU collectives go through gloo.  Nothing to do when no coordinator and no process count is given (one
+    process, or a TPU slice / SLURM job where jax detects the cluster itself when called with no arguments:
+    pass --num-processes there)."""
+    if not coordinator_address and not num_processes:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                                   process_id=process_id)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"could not join the multi-process run (coordinator {coordinator_address}, "
+                          f"{num_processes} processes, this is process {process_id}): {e}") from None
+
+
+def to_global(x, sharding):
+    """A host array (or a local device array) as a global array of `sharding`: each process supplies the shards
+    of its own devices (every process must pass the same value)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def to_host(x) -> np.ndarray:
+    """The value of a (possibly multi-process) array on this host."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if x.sharding.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def mesh_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.size
 
@@ -60,7 +95,8 @@ def kv_spec() -> P:
 
 def placer(mesh: Mesh | None, cfg: ModelConfig, dtype):
     """-> place(host_array, role): a device array of `dtype` laid out by role; each device receives only its
-    shard (nothing is gathered on one device first).  Without a mesh: the default device."""
+    shard (nothing is gathered on one device first; with several processes, each places its own devices' shards).
+    Without a mesh: the default device."""
     import jax.numpy as jnp
 
     def place(a, role: str):
@@ -68,7 +104,7 @@ def placer(mesh: Mesh | None, cfg: ModelConfig, dtype):
             return None
         if mesh is None:
             return jnp.asarray(a, dtype=dtype)
-        return jax.device_put(np.asarray(a).astype(dtype, copy=False), NamedSharding(mesh, target_spec(cfg, role)))
+        return to_global(np.asarray(a).astype(dtype, copy=False), NamedSharding(mesh, target_spec(cfg, role)))
 
     return place
 
@@ -83,7 +119,7 @@ def replicate(tree, mesh: Mesh | None):
     def put(x):
         if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
             return x
-        return jax.device_put(x, everywhere) if isinstance(x, (jax.Array, np.ndarray)) else x
+        return to_global(x, everywhere) if isinstance(x, (jax.Array, np.ndarray)) else x
 
     return jax.tree_util.tree_map(put, tree)
 

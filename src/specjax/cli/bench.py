@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from specjax.cli.common import DEFAULT_CACHE, add_parallel_args, enable_compile_cache, machine_info
+from specjax.cli.common import DEFAULT_CACHE, add_parallel_args, enable_compile_cache, join_processes, machine_info
 from specjax.config import ConfigError
 
 
@@ -29,6 +29,7 @@ def cmd_bench(args) -> int:
     num_prompts, max_new = args.num_prompts or 10, args.max_new_tokens or 256
     datasets_arg = args.datasets or "gsm8k,math500,humaneval,mbpp,mt_bench"
     enable_compile_cache(args.compile_cache)
+    join_processes(args)
     methods = args.methods.split(",")
     if "ar" not in methods:
         methods = ["ar"] + methods  # the baseline every speedup is measured against

@@ -42,7 +42,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the target over this many devices (heads, MLP and vocabulary; KV pages by KV head)")
+                   help="split the target over this many devices (heads, MLP and vocabulary; KV pages by KV head); "
+                        "with several processes, over the devices of all of them")
+    env = os.environ.get
+    p.add_argument("--coordinator-address", default=env("JAX_COORDINATOR_ADDRESS"),
+                   help="multi-host: HOST:PORT of process 0 (jax.distributed; env JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=int(env("JAX_NUM_PROCESSES", "0")) or None,
+                   help="multi-host: number of processes (env JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=int(env("JAX_PROCESS_ID")) if env("JAX_PROCESS_ID") else None,
+                   help="multi-host: this process's index, 0 = the one that prints / serves (env JAX_PROCESS_ID)")
+
+
+def join_processes(args) -> None:
+    """Join the multi-process run the flags describe (no-op for one process)."""
+    from specjax.parallel import initialize_distributed
+
+    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
 
 
 UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30}

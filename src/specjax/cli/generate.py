@@ -7,15 +7,18 @@ import json
 import sys
 import time
 
-from specjax.cli.common import StderrProgress, add_model_args, enable_compile_cache, histogram_lines
+from specjax.cli.common import StderrProgress, add_model_args, enable_compile_cache, histogram_lines, join_processes
 
 
 def cmd_generate(args) -> int:
+    import jax
+
     from specjax.config import EngineConfig
     from specjax.llm import LLM
     from specjax.sampling import GREEDY, SAMPLE, SAMPLE_FILTERED, SamplingParams
 
     enable_compile_cache(args.compile_cache)
+    join_processes(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     t0 = time.perf_counter()
@@ -25,6 +28,7 @@ def cmd_generate(args) -> int:
                            adaptive_k=args.adaptive_k and args.method != "ar"), dtype=args.dtype, seed=args.seed or 0,
               ngram=tuple(int(x) for x in args.ngram.split(",")), tensor_parallel_size=args.tensor_parallel_size)
     load_s = time.perf_counter() - t0
+    leader = jax.process_index() == 0
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     ids = llm.encode(prompt, chat=args.chat)
     engine = llm.engine
@@ -38,10 +42,18 @@ def cmd_generate(args) -> int:
         print(f"[compiled/loaded {n} step shape{'s' * (n != 1)} in {time.perf_counter() - t0:.1f}s"
               + (f"; {later} more compile in the background" if later else "") + "]", file=sys.stderr)
     try:
-        [res] = llm.generate([ids], params, on_text=lambda i, d: print(d, end="", flush=True))
+        [res] = llm.generate([ids], params, on_text=lambda i, d: print(d, end="", flush=True) if leader else None)
     finally:
         engine.programs.close()  # drops queued shapes; waits for the one being compiled
-    print()
+    if leader:
+        print()
+    if args.json:
+        print(json.dumps({"method": llm.method, "prompt_tokens": len(ids), "new_tokens": len(res.token_ids),
+                          "ttft_s": res.ttft, "tpot_s": res.tpot, "tau": res.stats.mean_acceptance_length,
+                          "acceptance_lengths": res.stats.acceptance_lengths, "text": res.text,
+                          "token_ids": res.token_ids, "process": jax.process_index()}))
+    if not leader:  # the other processes of a multi-host run computed the same steps; process 0 reports
+        return 0
     s = res.stats
     decode_tokens = len(res.token_ids) - 1
     desc = {"ar": "ar", "ngram": f"ngram (K={engine.num_draft})", "eagle3": f"eagle3 (K={engine.num_draft})"}.get(
@@ -61,10 +73,6 @@ def cmd_generate(args) -> int:
         lines.append("acceptance histogram:")
         lines += histogram_lines(s.acceptance_lengths)
     print("\n".join(lines), file=sys.stderr)
-    if args.json:
-        print(json.dumps({"method": llm.method, "prompt_tokens": len(ids), "new_tokens": len(res.token_ids),
-                          "ttft_s": res.ttft, "tpot_s": res.tpot, "tau": s.mean_acceptance_length,
-                          "acceptance_lengths": s.acceptance_lengths, "text": res.text}))
     return 0
 
 

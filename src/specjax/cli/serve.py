@@ -8,7 +8,14 @@ import os
 import sys
 import time
 
-from specjax.cli.common import StderrProgress, add_model_args, enable_compile_cache, machine_info, parse_bytes
+from specjax.cli.common import (
+    StderrProgress,
+    add_model_args,
+    enable_compile_cache,
+    join_processes,
+    machine_info,
+    parse_bytes,
+)
 
 
 def build_server(args):
@@ -26,6 +33,14 @@ def build_server(args):
                        num_draft_tokens=args.num_draft_tokens,
                        adaptive_k=args.adaptive_k and args.method != "ar", prefill_chunk=args.prefill_chunk,
                        page_bucket_factor=args.page_bucket_factor)
+    import jax
+
+    from specjax.config import ConfigError
+
+    if jax.process_count() > 1:
+        raise ConfigError("multi-host serving (process 0 serving HTTP, the others following its steps) is not built "
+                          "yet: run `specjax generate` / `specjax bench` across processes, or serve from one host "
+                          "with --tensor-parallel-size over its devices")
     services = []
     for i, devices in enumerate(replica_devices(args.data_parallel_size, args.tensor_parallel_size)):
         llm = LLM(args.model, args.drafter, args.method, args.block_size, cfg, dtype=args.dtype,
@@ -89,6 +104,7 @@ def cmd_serve(args) -> int:
     print(f"specjax serve: loading {args.model or 'the embedded SmolLM2-135M-Instruct'}{then}; the port opens when "
           "ready", file=sys.stderr, flush=True)
     enable_compile_cache(args.compile_cache)
+    join_processes(args)
     app, service, llm, _ = build_server(args)
     service.start()
     print(f"serving {llm.target.source} ({llm.method}) on http://{args.host}:{args.port}", file=sys.stderr)

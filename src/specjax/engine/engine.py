@@ -29,7 +29,7 @@ from specjax.engine.programs import StepPrograms, StepShape
 from specjax.engine.sequence import Sequence, Status
 from specjax.kv.allocator import OutOfPages, PageAllocator
 from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages
-from specjax.parallel import kv_spec, mesh_size, replicate, zeros_like_tree
+from specjax.parallel import kv_spec, mesh_size, replicate, to_global, to_host, zeros_like_tree
 from specjax.sampling import GREEDY, SamplingParams, sampler_mode
 from specjax.spec.proposer import NoProposer
 
@@ -100,8 +100,12 @@ class LLMEngine:
         options = config.k_options if config.k_options is not None else (0, k // 4, k // 2, k)
         if max(options) > k:
             raise ConfigError(f"k_options {options} exceed num_draft_tokens={k}")
-        self.k_options = tuple(sorted(set(options))) if config.adaptive_k else (k,)
-        self.controller = AdaptiveK(self.k_options, k) if config.adaptive_k and k else None
+        # With several processes every one runs the same steps (the host inputs must agree): no choice may
+        # depend on timing, so K is fixed and nothing compiles in the background.
+        self.lockstep = jax.process_count() > 1
+        adaptive = config.adaptive_k and not self.lockstep
+        self.k_options = tuple(sorted(set(options))) if adaptive else (k,)
+        self.controller = AdaptiveK(self.k_options, k) if adaptive and k else None
         if config.pool_pages < config.max_pages_per_seq + 1:
             raise ConfigError(f"num_pages={config.pool_pages} cannot hold one {config.max_model_len}-token sequence "
                               f"({config.max_pages_per_seq} pages of {config.page_size} + the scratch page)")
@@ -255,7 +259,7 @@ class LLMEngine:
         """Run a step program and commit its rows; -> the step's outputs."""
         step, commit = program
         if self._inputs_sharding is not None:
-            args = jax.device_put(args, self._inputs_sharding)
+            args = jax.tree.map(lambda a: to_global(a, self._inputs_sharding), args)
         out = step(self.tweights, self.kv, self.pweights, self.pstate, *args)
         if shape.kind == "prefill":
             self.kv, self.pstate = commit(self.kv, self.pstate, args[0].slots, out[1], args[0].slots, out[2])
@@ -299,6 +303,7 @@ class LLMEngine:
         thread (`self.programs.on_demand`, see engine/programs.py), so memory grows with the shapes the workload
         uses, not with every bucket.  The controller then times real steps.
         """
+        background = background and not self.lockstep
         full = pick_bucket(self.config.max_pages_per_seq, self.page_buckets)
         prefill_b = sorted({pick_bucket(min(x, self.prefill_batch_buckets[-1]), self.prefill_batch_buckets)
                             for x in batch_sizes})
@@ -427,7 +432,7 @@ class LLMEngine:
         batch = ForwardBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(table))
         first, _, _ = self._run(shape, program, batch, jnp.asarray(last_index), jnp.asarray(next_tokens),
                                 self._sampling(seqs, b))
-        first = np.asarray(first)
+        first = to_host(first)
         self.num_steps["prefill"] += 1
         outputs = []
         for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
@@ -487,7 +492,7 @@ class LLMEngine:
                                     jnp.asarray(num_drafts), jnp.asarray(host_drafts))
         t0 = time.perf_counter()
         num_accepted, tokens, drafts, *_ = self._run(shape, program, inputs, self._sampling(seqs, shape.batch))
-        num_accepted, tokens = np.asarray(num_accepted), np.asarray(tokens)
+        num_accepted, tokens = to_host(num_accepted), to_host(tokens)
         if self.controller is not None and self.programs.runs[shape] > 1:  # a program's first run pays set-up
             self._record_cost(need, shape, time.perf_counter() - t0)
         self.num_steps["decode"] += 1
@@ -499,7 +504,7 @@ class LLMEngine:
             if self.controller is not None and num_drafts[i] == k:
                 self.controller.record_acceptance(k, a)
             if seq.stats.draft_log is not None:
-                seq.stats.draft_log.append([int(d) for d in np.asarray(drafts)[i, :num_drafts[i]]])
+                seq.stats.draft_log.append([int(d) for d in to_host(drafts)[i, :num_drafts[i]]])
             seq.num_cached = seq.start + a + 1  # old bonus + accepted drafts; the new bonus has no K/V yet
             outputs.append(self._commit(seq, [int(t) for t in tokens[i, :a + 1]]))
         return outputs
