@@ -1,5 +1,6 @@
-"""Tensor parallelism on a jax Mesh: the mesh, how every array of a target, its KV pages and the drafters is laid
-out over it, and placing arrays there.  The collectives are XLA's (GSPMD), never written by hand.
+"""Devices: tensor parallelism on a jax Mesh (how every array of a target, its KV pages and the drafters is laid
+out over it, and placing arrays there), data-parallel training batches, and joining a multi-process run.  The
+collectives are XLA's (GSPMD), never written by hand.
 
 Megatron layout over the mesh axis "tp": the fused q/k/v and gate/up projections are split by rows (whole heads
 and matching gate/up rows per device, see model/target.py `fused_row_order`), w_o and w_down by columns (their
@@ -68,6 +69,23 @@ def to_host(x) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def data_parallel_mesh(size: int) -> Mesh | None:
+    """A 1-D mesh (axis "dp") of the first `size` devices for data-parallel training; None for size 1."""
+    if size < 1:
+        raise ConfigError(f"--data-parallel-size must be >= 1, got {size}")
+    if size > len(jax.devices()):
+        raise ConfigError(f"--data-parallel-size {size} needs {size} devices but {len(jax.devices())} are available")
+    return None if size == 1 else Mesh(np.array(jax.devices()[:size]), ("dp",))
+
+
+def shard_batch(tree, mesh: Mesh | None):
+    """Every array leaf of `tree` split along its first (batch) axis over the mesh's devices."""
+    if mesh is None:
+        return tree
+    by_row = NamedSharding(mesh, P(mesh.axis_names[0]))
+    return jax.tree_util.tree_map(lambda x: to_global(x, by_row), tree)
 
 
 def mesh_size(mesh: Mesh | None) -> int:

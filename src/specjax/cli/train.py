@@ -129,6 +129,7 @@ def cmd_train_drafter(args) -> int:
     from specjax.drafter.loader import drafter_config_for
     from specjax.llm import DTYPES
     from specjax.model.loader import load_model
+    from specjax.parallel import data_parallel_mesh
     from specjax.train.store import TokenStore
     from specjax.train.trainer import DFlashMethod, Eagle3Method, TrainConfig, train_drafter
 
@@ -143,7 +144,7 @@ def cmd_train_drafter(args) -> int:
                       weight_decay=args.weight_decay, gamma=args.gamma, dpace_alpha=args.dpace_alpha, seed=args.seed,
                       save_every=args.save_every,
                       eval_every=args.eval_every, schedule=args.schedule, optimizer=args.optimizer,
-                      max_hours=args.max_hours, sim_every=args.sim_every)
+                      max_hours=args.max_hours, sim_every=args.sim_every, log_every=args.log_every)
     vocab = target.config.vocab_size
     draft_ids, coverage = None, 1.0
     if 0 < args.draft_vocab_size < vocab:
@@ -206,7 +207,7 @@ def cmd_train_drafter(args) -> int:
         heldout = HeldOutSet(target, TokenStore(args.heldout), method.tap_indices, cfg.block_size, cfg.max_len)
     summary = train_drafter(target, store, args.out, method, cfg, args.resume, eval_sets, args.eval_max_new_tokens,
                             args.save_dtype, features=features, init_from=args.init, heldout=heldout,
-                            log_path=args.log)
+                            log_path=args.log, mesh=data_parallel_mesh(args.data_parallel_size))
     print(json.dumps(summary))
     return 0
 
@@ -266,6 +267,9 @@ def register(sub) -> None:
                    help="reuse this target token as MASK (default: learn a drafter-owned mask embedding)")
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--batch-size", type=int, default=4)
+    t.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="split each batch over this many devices (a multiple of them; gradients reduced by XLA)")
+    t.add_argument("--log-every", type=int, default=10, help="steps between loss rows in the log")
     t.add_argument("--num-anchors", type=int, default=32)
     t.add_argument("--max-len", type=int, default=512)
     t.add_argument("--lr", type=float, default=6e-4)

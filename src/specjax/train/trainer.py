@@ -450,17 +450,24 @@ def last_hours(log_path: str) -> float:
 def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainConfig, resume: bool,
                   eval_sets: dict[str, list[list[int]]], eval_max_new_tokens: int = 96, save_dtype: str = "float32",
                   show_progress: bool = True, features=None, init_from: str | None = None, heldout=None,
-                  log_path: str | None = None) -> dict:
+                  log_path: str | None = None, mesh=None) -> dict:
     """Train (or resume) a drafter for `target`; writes out_dir/{drafter,checkpoint,log.jsonl,curve.png}.
 
     `features`: an optional FeatureCache over `store` holding the method's taps (checked before training).
     `init_from`: start from this drafter checkpoint's weights (fresh optimizer state) instead of a random init.
     `heldout`: a HeldOutSet for simulated tau every `cfg.sim_every` steps.  `log_path`: a learning-curve log
     that is always appended to, with cumulative wall-clock hours, so one curve spans many runs (default
-    out_dir/log.jsonl, reset by a fresh run, appended to by --resume and --init).
+    out_dir/log.jsonl, reset by a fresh run, appended to by --resume and --init).  `mesh`: data parallelism,
+    each batch split over the mesh's devices (the drafter, optimizer state and frozen target arrays replicated;
+    XLA reduces the gradients), the same losses as one device up to float rounding.
     """
     from tqdm import tqdm
 
+    from specjax.parallel import mesh_size, replicate, shard_batch
+
+    if cfg.batch_size % mesh_size(mesh):
+        raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of the {mesh_size(mesh)} data-parallel "
+                         "devices")
     os.makedirs(out_dir, exist_ok=True)
     batches = SequenceBatches(store, cfg)
     optimizer, schedule = make_optimizer(cfg)
@@ -483,8 +490,12 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     with open(os.path.join(out_dir, "train_config.json"), "w") as fh:
         json.dump({"method": method.name, "train": dataclasses.asdict(cfg), "data": store.path,
                    "features": features.path if features is not None else "online", "init_from": init_from,
-                   "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens}, fh, indent=1)
+                   "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens,
+                   "data_parallel_devices": [str(d) for d in (mesh.devices.flat if mesh is not None else [])]},
+                  fh, indent=1)
     consts = method.constants(target)
+    eval_consts = consts  # evaluation runs on one device (the engine and the held-out set live there)
+    params, opt_state, consts = replicate((params, opt_state, consts), mesh)
     bar = tqdm(total=cfg.steps, initial=step0, unit="step", dynamic_ncols=True, disable=not show_progress)
     t_start, tokens_seen = time.perf_counter(), 0
     summary = {}
@@ -493,8 +504,11 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
         with open(log_path, "a") as fh:
             fh.write(json.dumps(row) + "\n")
 
+    def on_one_device(p):
+        return p if mesh is None else jax.device_put(p, jax.devices()[0])
+
     def simulate(step):
-        sim = heldout.evaluate(method, params, consts)
+        sim = heldout.evaluate(method, on_one_device(params), eval_consts)
         write({"step": step, "hours": hours0 + (time.perf_counter() - t_start) / 3600, "sim": sim})
         bar.write(f"step {step}: simulated tau(K={len(sim['all']['tau'])}) = {sim['all']['tau'][-1]:.3f}, "
                   f"tau(3) = {sim['all']['tau'][min(2, len(sim['all']['tau']) - 1)]:.3f}")
@@ -507,9 +521,9 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
         tokens, mask, lengths, epoch, idx = batches.batch(step)
         extra = method.host_inputs((cfg.seed, step), mask, lengths)
         taps = batch_features(target, tokens, idx, method.tap_indices, features)
-        params, opt_state, loss, aux, gnorm = train_step(
-            params, opt_state, consts, jnp.asarray(tokens), taps, jnp.asarray(mask), jnp.asarray(lengths), extra,
-            method=method, optimizer=optimizer)
+        inputs = shard_batch((jnp.asarray(tokens), taps, jnp.asarray(mask), jnp.asarray(lengths), extra), mesh)
+        params, opt_state, loss, aux, gnorm = train_step(params, opt_state, consts, *inputs, method=method,
+                                                         optimizer=optimizer)
         tokens_seen += int(lengths.sum())
         done = step + 1
         elapsed = time.perf_counter() - t_start
@@ -528,7 +542,7 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
         if heldout is not None and cfg.sim_every and ((step + 1) % cfg.sim_every == 0 or last):
             simulate(step + 1)
         if eval_sets and ((step + 1) % cfg.eval_every == 0 or last):
-            ev = {name: method.evaluate(target, params, prompts, eval_max_new_tokens)
+            ev = {name: method.evaluate(target, on_one_device(params), prompts, eval_max_new_tokens)
                   for name, prompts in eval_sets.items()}
             write({"step": step + 1, "hours": hours0 + (time.perf_counter() - t_start) / 3600, "eval": ev})
             bar.write(f"step {step + 1}: " + ", ".join(f"tau[{k}]={v['tau']:.2f}" for k, v in ev.items()))
