@@ -25,6 +25,10 @@ def tensor_parallel_mesh(size: int, devices=None) -> Mesh | None:
     (plain single-device arrays)."""
     if size < 1:
         raise ConfigError(f"--tensor-parallel-size must be >= 1, got {size}")
+    if jax.process_count() > 1 and size != jax.device_count():
+        raise ConfigError(f"with {jax.process_count()} processes the target must span every process's devices: "
+                          f"--tensor-parallel-size must be {jax.device_count()} (the devices of all processes), "
+                          f"got {size}")
     if size == 1 and devices is None:
         return None
     devices = list(jax.devices() if devices is None else devices)

@@ -37,10 +37,14 @@ def build_server(args):
 
     from specjax.config import ConfigError
 
-    if jax.process_count() > 1:
-        raise ConfigError("multi-host serving (process 0 serving HTTP, the others following its steps) is not built "
-                          "yet: run `specjax generate` / `specjax bench` across processes, or serve from one host "
-                          "with --tensor-parallel-size over its devices")
+    publisher = None
+    if jax.process_count() > 1:  # multi-host: process 0 serves, the others follow its engine calls (lockstep.py)
+        from specjax.serve.lockstep import Publisher, kv_client
+
+        if args.data_parallel_size > 1:
+            raise ConfigError("--data-parallel-size > 1 with several processes is not supported: one engine spans "
+                              "all processes (--tensor-parallel-size = every device)")
+        publisher = Publisher(kv_client()) if jax.process_index() == 0 else None
     services = []
     for i, devices in enumerate(replica_devices(args.data_parallel_size, args.tensor_parallel_size)):
         llm = LLM(args.model, args.drafter, args.method, args.block_size, cfg, dtype=args.dtype,
@@ -58,7 +62,8 @@ def build_server(args):
                   + (f"; {later} more compile in the background, none on the engine thread" if later else "") + "]",
                   file=sys.stderr)
         print(memory_line(llm.engine.memory_bytes(), llm.engine.config, replica), file=sys.stderr)
-        services.append(EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft))))
+        services.append(EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft)),
+                                      publisher=publisher))
     service = services[0] if len(services) == 1 else DataParallelService(services)
     name = args.served_model_name or os.path.basename(str(llm.target.source)).removesuffix(".gguf")
     return create_app(service, name, args.default_max_tokens), service, llm, name
@@ -106,6 +111,15 @@ def cmd_serve(args) -> int:
     enable_compile_cache(args.compile_cache)
     join_processes(args)
     app, service, llm, _ = build_server(args)
+    import jax
+
+    if jax.process_index() != 0:  # a follower of a multi-host server: replays process 0's engine calls
+        from specjax.serve.lockstep import follow, kv_client
+
+        print(f"process {jax.process_index()}: following process 0's engine", file=sys.stderr)
+        steps = follow(service.engine, kv_client())
+        print(f"process {jax.process_index()}: process 0 stopped after {steps} steps", file=sys.stderr)
+        return 0
     service.start()
     print(f"serving {llm.target.source} ({llm.method}) on http://{args.host}:{args.port}", file=sys.stderr)
     try:

@@ -303,7 +303,6 @@ class LLMEngine:
         thread (`self.programs.on_demand`, see engine/programs.py), so memory grows with the shapes the workload
         uses, not with every bucket.  The controller then times real steps.
         """
-        background = background and not self.lockstep
         full = pick_bucket(self.config.max_pages_per_seq, self.page_buckets)
         prefill_b = sorted({pick_bucket(min(x, self.prefill_batch_buckets[-1]), self.prefill_batch_buckets)
                             for x in batch_sizes})
@@ -316,7 +315,9 @@ class LLMEngine:
                 now += [StepShape("prefill", b, t, full, mode) for b in prefill_b for t in prefill_t]
                 now += [StepShape("decode", b, k, pg, mode) for b in decode_b for pg in decode_pages
                         for k in self.k_options]
-        self.programs.on_demand = background
+        # lockstep (several processes): what is not built now compiles on first use, on this thread, in the same
+        # order in every process (a background thread's timing would differ between them)
+        self.programs.on_demand = background and not self.lockstep
         for i, shape in enumerate(now):
             if background:  # no dummy runs: requests are waiting (the controller times real steps)
                 self.programs.build_now(shape)

@@ -54,8 +54,10 @@ class RequestState:
 
 
 class EngineService:
-    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer | None, metrics: Metrics, idle_sleep: float = 0.05):
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer | None, metrics: Metrics, idle_sleep: float = 0.05,
+                 publisher=None):
         self.engine = engine
+        self.publisher = publisher  # multi-host: process 0 publishes its engine calls to the followers (lockstep.py)
         self.tokenizer = tokenizer
         self.metrics = metrics
         metrics.set_memory(engine.memory_bytes())
@@ -81,6 +83,8 @@ class EngineService:
         self.commands.put(("wake",))
         if self.thread is not None:
             self.thread.join(timeout=30)
+        if self.publisher is not None:
+            self.publisher.close()
         self.engine.programs.close()  # background compilation, if any
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -142,17 +146,21 @@ class EngineService:
             if cmd[0] == "add":
                 state = cmd[1]
                 state.seq_id = self.engine.add_request(state.prompt_ids, state.params)
+                if self.publisher is not None:
+                    self.publisher.add(state.prompt_ids, state.params)
                 self.by_seq[state.seq_id] = state
                 self.by_request[state.request_id] = state
                 self.metrics.prompt_tokens.inc(len(state.prompt_ids))
             elif cmd[0] == "abort":
                 state = cmd[1]
                 if state.seq_id is not None and not state.done:
-                    self.engine.abort(state.seq_id)
+                    self._abort(state.seq_id)
                     self._finish(state, "abort", emit=False)
 
     def _step(self) -> None:
         preempted_before = self.engine.num_preemptions
+        if self.publisher is not None:
+            self.publisher.publish()
         outputs = self.engine.step()
         self.metrics.record_decode(self.engine.last_decode, self.engine.last_k if self.engine.last_decode else None)
         for out in outputs:
@@ -172,7 +180,7 @@ class EngineService:
             hit = self._find_stop(state)
             if hit is not None:
                 state.text = state.text[:hit]
-                self.engine.abort(out.seq_id)
+                self._abort(out.seq_id)
                 self._emit_text(state, out.new_token_ids, final=True)
                 self._finish(state, "stop")
                 continue
@@ -183,6 +191,11 @@ class EngineService:
         self.metrics.kv_pages_used.set(self.engine.allocator.num_used)
         self.metrics.running.set(len(self.engine.running))
         self.metrics.waiting.set(len(self.engine.waiting))
+
+    def _abort(self, seq_id: int) -> None:
+        self.engine.abort(seq_id)
+        if self.publisher is not None:
+            self.publisher.abort(seq_id)
 
     def _find_stop(self, state: RequestState) -> int | None:
         hits = [state.text.find(s, max(0, state.sent - len(s) + 1)) for s in state.stop]

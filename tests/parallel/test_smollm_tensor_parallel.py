@@ -1,0 +1,29 @@
+"""The embedded SmolLM2-135M (3 KV heads) split over 3 virtual CPU devices: `specjax generate
+--tensor-parallel-size 3` prints the same answer as one device (plain decoding here, to keep the suite short;
+DFlash with the shipped drafter is the same check on the tiny models in test_tensor_parallel.py, and was run by
+hand with default settings: docs/parallel.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
+          "clips did Natalia sell altogether in April and May?")
+
+
+def test_generate_tp3_prints_what_one_device_prints(smollm_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3", JAX_PLATFORMS="cpu")
+    results = {}
+    for tp in (1, 3):
+        proc = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", "--tensor-parallel-size", str(tp),
+                               "--method", "ar", "--max-new-tokens", "40", "--json", "--compile-cache", "", PROMPT],
+                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[tp] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results[1]["new_tokens"] >= 32
+    assert results[3]["token_ids"] == results[1]["token_ids"]
+    assert results[3]["text"] == results[1]["text"]
