@@ -64,11 +64,15 @@ def cmd_cache_features(args) -> int:
     from specjax.drafter.eagle3_loader import default_aux_ids
     from specjax.llm import DTYPES
     from specjax.model.loader import load_model
+    from specjax.parallel import data_parallel_mesh, tensor_parallel_mesh
     from specjax.train.features import build_feature_cache
     from specjax.train.store import TokenStore
 
     enable_compile_cache(args.compile_cache)
-    target = load_model(args.target, DTYPES["float32"])
+    if args.tensor_parallel_size > 1 and args.data_parallel_size > 1:
+        raise SystemExit("error: cache-features splits either the target (--tensor-parallel-size) or the batch "
+                         "(--data-parallel-size), not both")
+    target = load_model(args.target, DTYPES["float32"], tensor_parallel_mesh(args.tensor_parallel_size))
     n = target.config.num_layers
     if args.tap_indices:
         taps = tuple(int(x) for x in args.tap_indices.split(","))
@@ -83,7 +87,8 @@ def cmd_cache_features(args) -> int:
     def progress(done, total):
         bar.update(done - bar.n)
 
-    cache = build_feature_cache(target, store, args.out, taps, args.max_len, args.batch_tokens, progress)
+    cache = build_feature_cache(target, store, args.out, taps, args.max_len, args.batch_tokens, progress,
+                                mesh=data_parallel_mesh(args.data_parallel_size))
     bar.close()
     print(json.dumps({"out": args.out, "tap_indices": cache.tap_indices, "rows": int(cache.lengths.sum()),
                       "bytes": int(cache.lengths.sum()) * len(cache.tap_indices) * cache.hidden * 2}))
@@ -239,6 +244,10 @@ def register(sub) -> None:
     c.add_argument("--num-taps", type=int, default=5, help="DFlash taps assumed by the default --tap-indices")
     c.add_argument("--max-len", type=int, default=512, help="tokens cached per sequence")
     c.add_argument("--batch-tokens", type=int, default=2048, help="tokens per target forward")
+    c.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the target over this many devices, as serving does")
+    c.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="split each forward's sequences over this many devices (the target replicated)")
     c.add_argument("--compile-cache", default=DEFAULT_CACHE)
     c.set_defaults(func=cmd_cache_features)
 

@@ -74,10 +74,15 @@ class FeatureCache:
 
 
 def build_feature_cache(target, store: TokenStore, out: str, tap_indices, max_len: int, batch_tokens: int = 2048,
-                        progress=None) -> FeatureCache:
+                        progress=None, mesh=None) -> FeatureCache:
     """Run the frozen target over every stored sequence once and write its taps (resumes a partial cache, and
-    extends a complete one when the store has grown since: `specjax regenerate` only appends)."""
+    extends a complete one when the store has grown since: `specjax regenerate` only appends).  `mesh`: split
+    each forward's sequences over its devices (the target replicated there); a target loaded tensor-parallel
+    runs split as it is."""
+    from specjax.parallel import mesh_size, replicate, shard_batch
     from specjax.train.trainer import target_features
+
+    weights = replicate(target.weights, mesh)
 
     tap_indices = tuple(sorted(set(tap_indices)))
     hidden = target.config.hidden_size
@@ -113,12 +118,13 @@ def build_feature_cache(target, store: TokenStore, out: str, tap_indices, max_le
             group.append(j)
             width = w
         del todo[:len(group)]
-        rows_per_call = max(1, batch_tokens // width)
+        rows_per_call = -(-max(1, batch_tokens // width) // mesh_size(mesh)) * mesh_size(mesh)
         toks = np.zeros((rows_per_call, width), np.int32)
         for r, j in enumerate(group):
             rec = store.index[j]
             toks[r, :lengths[j]] = tokens_all[rec["offset"]:rec["offset"] + lengths[j]]
-        taps = np.asarray(target_features(target.weights, jnp.asarray(toks), target.config, tap_indices))
+        taps = np.asarray(target_features(weights, shard_batch(jnp.asarray(toks), mesh), target.config,
+                                          tap_indices))
         taps = taps.reshape(rows_per_call, width, len(tap_indices), hidden)
         for r, j in enumerate(group):
             x = taps[r, :lengths[j]]
