@@ -100,3 +100,35 @@ def test_load_error_names_the_file(tmp_path):
     bad.write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(CheckpointError, match="notgguf.gguf.*bad magic"):
         load_model(str(bad))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "F16", "F32"])
+def test_dequantize_matches_the_gguf_package_bit_for_bit(kind):
+    """Random bytes in every block (scales included, NaN and inf among them): the same float32 values."""
+    import gguf
+
+    from specjax.model.gguf_file import BLOCK_DEQUANT, dequantize
+
+    kind_enum = gguf.GGMLQuantizationType[kind]
+    rng = np.random.default_rng(0)
+    if kind in BLOCK_DEQUANT:
+        data = rng.integers(0, 256, size=(7, 3 * BLOCK_DEQUANT[kind][0]), dtype=np.uint8)
+    else:
+        data = rng.standard_normal((7, 96)).astype(np.float16 if kind == "F16" else np.float32)
+    ours, theirs = dequantize(data, kind_enum), np.asarray(gguf.quants.dequantize(data, kind_enum), np.float32)
+    assert ours.dtype == np.float32 and ours.shape == theirs.shape == (7, 96)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_dequantize_matches_on_the_default_model(smollm_path):
+    import gguf
+
+    from specjax.model.gguf_file import GGUFFile, dequantize
+
+    kinds = {}
+    for t in GGUFFile(smollm_path).tensors:
+        kinds.setdefault(t.tensor_type.name, t)
+    assert {"Q4_1", "Q8_0"} <= set(kinds)
+    for t in kinds.values():
+        np.testing.assert_array_equal(dequantize(t.data, t.tensor_type),
+                                      np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32))

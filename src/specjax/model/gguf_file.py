@@ -112,3 +112,50 @@ class GGUFFile:
         if kind in SCALARS:
             return self._unpack(SCALARS[kind])[0]
         raise ValueError(f"unknown GGUF metadata type {kind}")
+
+
+def _scales(blocks: np.ndarray, start: int, count: int = 1) -> np.ndarray:
+    """float16 fields at byte `start` of each block -> float32 [blocks, count]."""
+    return np.ascontiguousarray(blocks[:, start:start + 2 * count]).view(np.float16).astype(np.float32)
+
+
+def _q4_0(b: np.ndarray, out: np.ndarray) -> None:  # block: d (f16), 16 bytes of nibbles; x = (q - 8) * d
+    np.bitwise_and(b[:, 2:], 0x0F, out=out[:, :16], casting="unsafe")
+    np.right_shift(b[:, 2:], 4, out=out[:, 16:], casting="unsafe")
+    out -= 8.0
+    out *= _scales(b, 0)
+
+
+def _q4_1(b: np.ndarray, out: np.ndarray) -> None:  # block: d, m (f16), 16 bytes of nibbles; x = q * d + m
+    np.bitwise_and(b[:, 4:], 0x0F, out=out[:, :16], casting="unsafe")
+    np.right_shift(b[:, 4:], 4, out=out[:, 16:], casting="unsafe")
+    dm = _scales(b, 0, 2)
+    out *= dm[:, :1]
+    out += dm[:, 1:]
+
+
+def _q8_0(b: np.ndarray, out: np.ndarray) -> None:  # block: d (f16), 32 int8; x = q * d
+    out[:] = b[:, 2:].view(np.int8)
+    out *= _scales(b, 0)
+
+
+# ggml type name -> (bytes per block of 32 weights, dequantize one [blocks, bytes] array into [blocks, 32])
+BLOCK_DEQUANT = {"Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1), "Q8_0": (34, _q8_0)}
+
+
+def dequantize(data: np.ndarray, tensor_type) -> np.ndarray:
+    """A tensor's weights as a new float32 array: whole-array numpy for the block formats of BLOCK_DEQUANT (the
+    `gguf` package loops over row groups: ~3x slower on SmolLM2's Q4_1 weights) and plain types, the `gguf`
+    package for the others.  Same values as `gguf.quants.dequantize`, bit for bit (tests/model)."""
+    name = tensor_type.name
+    if name in BLOCK_DEQUANT:
+        size, fill = BLOCK_DEQUANT[name]
+        blocks = np.asarray(data).reshape(-1, size)
+        out = np.empty((blocks.shape[0], 32), np.float32)
+        fill(blocks, out)
+        return out.reshape(*data.shape[:-1], data.shape[-1] // size * 32)
+    if name in PLAIN_TENSORS:
+        return np.array(data, dtype=np.float32)
+    import gguf
+
+    return np.array(gguf.quants.dequantize(data, tensor_type), dtype=np.float32)

@@ -309,9 +309,7 @@ def gguf_model_config(reader, source: str) -> ModelConfig:
 
 
 def load_gguf(path: str, dtype=jnp.float32, mesh=None) -> LoadedModel:
-    import gguf
-
-    from specjax.model.gguf_file import GGUFFile
+    from specjax.model.gguf_file import GGUFFile, dequantize
 
     if not os.path.isfile(path):
         raise CheckpointError(f"GGUF file not found: {path}")
@@ -324,8 +322,7 @@ def load_gguf(path: str, dtype=jnp.float32, mesh=None) -> LoadedModel:
     for t in reader.tensors:
         if t.name in GGUF_IGNORED:
             continue
-        # np.array (not asarray/astype) so F32 tensors do not stay np.memmap subclasses (slow ufuncs).
-        arr = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        arr = dequantize(t.data, t.tensor_type)  # a new float32 array (not a view of the mapping)
         name = gguf_to_hf_name(t.name)
         if cfg.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
