@@ -62,6 +62,9 @@ def test_background_warmup_compiles_what_steps_use_off_the_engine_thread(parts):
     used = {s for s in engine.programs.runs if engine.programs.runs[s] > runs[s]}
     # the second request's decode steps ran at the page widths they need, not at the universal largest one
     assert {s.pages for s in used if s.kind == "decode"} == {16, 32}  # 48..110 tokens: 12..28 pages of 4
+    # both prefill chunks (32 + 15 tokens) ran in the one prefill program, as wide as the prompt (12 pages -> 16),
+    # not at the full 32-page width of max_model_len
+    assert {s.pages for s in engine.programs.runs if s.kind == "prefill"} == {16}
 
 
 def test_without_warmup_each_shape_compiles_once_when_first_needed(parts):

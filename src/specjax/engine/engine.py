@@ -287,21 +287,26 @@ class LLMEngine:
         prefill_t = {pick_bucket(n, self.prefill_buckets) for n in tokens}
         decode_pages = {self._pages_bucket(min(n + k, self.config.max_model_len))
                         for n in range(min(prompt_lens) + 1, total_len + 1) for k in self.k_options}
-        return self._warm(sorted(prefill_t), sorted(decode_pages), batch_sizes, modes, progress, background)
+        # background: one prefill program, as wide as these prompts need (a narrow page table is a faster first token)
+        prefill_pages = self._pages_bucket(max(prompt_lens)) if background else None
+        return self._warm(sorted(prefill_t), sorted(decode_pages), batch_sizes, modes, progress, background,
+                          prefill_pages)
 
     def warmup_all(self, modes=(GREEDY,), progress=None, background: bool = False) -> int:
         """Compile every shape this engine can produce (server start-up): no compilation after this (with
         `background`, none on the engine thread: a step waits for its shape or runs in a larger ready one)."""
         return self._warm(self.prefill_buckets, self.page_buckets, self.batch_buckets, modes, progress, background)
 
-    def _warm(self, prefill_t, decode_pages, batch_sizes, modes, progress=None, background=False) -> int:
+    def _warm(self, prefill_t, decode_pages, batch_sizes, modes, progress=None, background=False,
+              prefill_pages: int | None = None) -> int:
         """Compile the shapes for `batch_sizes` x `modes`: prefill chunks of `prefill_t` tokens, decode steps at
         every K option and page bucket of `decode_pages`.  Each is compiled and run once on dummy inputs
         (decode: twice more, timed, as the K controller's cost prior), `progress(done, total)` after each.
         With `background`, only a prefill of the largest chunk for one sequence is built now (per mode, without
         runs): the first prompt runs at once, padded, and every other shape compiles on demand on the background
         thread (`self.programs.on_demand`, see engine/programs.py), so memory grows with the shapes the workload
-        uses, not with every bucket.  The controller then times real steps.
+        uses, not with every bucket.  The controller then times real steps.  Prefill programs read the full page
+        table (one fits every chunk) unless `prefill_pages` narrows the background one.
         """
         full = pick_bucket(self.config.max_pages_per_seq, self.page_buckets)
         prefill_b = sorted({pick_bucket(min(x, self.prefill_batch_buckets[-1]), self.prefill_batch_buckets)
@@ -310,7 +315,7 @@ class LLMEngine:
         now = []  # listed first so progress knows the total
         for mode in modes:
             if background:
-                now.append(StepShape("prefill", prefill_b[0], max(prefill_t), full, mode))
+                now.append(StepShape("prefill", prefill_b[0], max(prefill_t), prefill_pages or full, mode))
             else:
                 now += [StepShape("prefill", b, t, full, mode) for b in prefill_b for t in prefill_t]
                 now += [StepShape("decode", b, k, pg, mode) for b in decode_b for pg in decode_pages
@@ -409,11 +414,15 @@ class LLMEngine:
     def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
         chunks = [seq.all_ids[seq.num_cached:min(seq.prefill_len, seq.num_cached + self.config.prefill_chunk)]
                   for seq in seqs]
-        # Prefill reads the full page-table width: one shape per (batch, tokens) bucket, and prefill is
-        # compute-bound, so gathering a few unused pages costs little.
-        need = StepShape("prefill", pick_bucket(len(seqs), self.prefill_batch_buckets),
-                         pick_bucket(max(len(c) for c in chunks), self.prefill_buckets),
-                         self._pages_bucket(self.config.max_model_len), sampler_mode([s.params for s in seqs]))
+        # Prefill reads the full page-table width (one shape per (batch, tokens) bucket; gathering unused pages
+        # costs ~0.1 s per chunk at 2048 tokens of context), unless a narrower ready program fits the chunk (the
+        # one `warmup` builds for a known prompt: a faster first token).
+        b = pick_bucket(len(seqs), self.prefill_batch_buckets)
+        t = pick_bucket(max(len(c) for c in chunks), self.prefill_buckets)
+        mode = sampler_mode([s.params for s in seqs])
+        narrow = self.programs.find(StepShape("prefill", b, t, self._pages_bucket(
+            max(s.num_cached + len(c) for s, c in zip(seqs, chunks))), mode))
+        need = narrow or StepShape("prefill", b, t, self._pages_bucket(self.config.max_model_len), mode)
         shape, program = self.programs.get(need)
         b, t = shape.batch, shape.n
         tokens = np.zeros((b, t), np.int32)
