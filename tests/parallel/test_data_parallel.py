@@ -4,20 +4,15 @@ text as one device, both replicas serve, and /metrics and /health report each re
 
 from __future__ import annotations
 
-import asyncio
-import os
 import re
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from specjax.bench.serving import free_port
 from tests import helpers
+from tests.parallel import servers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [f"question {i}: " + "xyz" * i for i in range(8)]
 
 
@@ -30,23 +25,11 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint):
     port = free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--model", checkpoint, "--method", "ar",
-                             "--tensor-parallel-size", "2", "--data-parallel-size", "2", "--port", str(port),
-                             "--max-model-len", "128", "--max-num-seqs", "4", "--warmup", "none",
-                             "--compile-cache", ""], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    [proc] = servers.start([["serve", "--model", checkpoint, "--method", "ar", "--tensor-parallel-size", "2",
+                             "--data-parallel-size", "2", "--port", str(port), "--max-model-len", "128",
+                             "--max-num-seqs", "4", "--warmup", "none", "--compile-cache", ""]], devices=4)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    if proc.poll() is not None or time.time() >= deadline:
-        proc.kill()
-        pytest.fail(f"server did not start: {proc.stdout.read()[-3000:]}")
+    servers.wait_ready(url, [proc])
     yield url
     proc.terminate()
     out = proc.communicate(timeout=60)[0]
@@ -54,22 +37,10 @@ def server(checkpoint):
 
 
 def test_tp2_dp2_server_answers_concurrent_openai_requests_like_one_device(server, checkpoint):
-    import openai
-
     from specjax.llm import LLM
     from specjax.sampling import SamplingParams
 
-    client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="none")
-
-    async def ask(prompt):
-        r = await client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": prompt}],
-                                                 max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
-        return r.choices[0].message.content
-
-    async def main():
-        return await asyncio.gather(*[ask(p) for p in PROMPTS])
-
-    served = asyncio.run(main())
+    served = servers.chat_texts(server, "qwen3", PROMPTS, max_tokens=16)
     expected = [r.text for r in LLM(checkpoint, method="ar").generate(
         PROMPTS, SamplingParams(max_new_tokens=16, ignore_eos=True))]
     assert served == expected
