@@ -17,9 +17,8 @@ import time
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from specjax.config import ConfigError, EngineConfig, ModelConfig
 from specjax.engine import runner
@@ -225,12 +224,12 @@ class LLMEngine:
         """Dummy inputs of a step shape (slots all -1: running them writes nothing)."""
         b, n, pg = shape.batch, shape.n, shape.pages
         if shape.kind == "prefill":
-            batch = ForwardBatch(jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.int32),
-                                 jnp.full((b, n), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32))
-            return batch, jnp.zeros(b, jnp.int32), jnp.zeros((b, n), jnp.int32), self._sampling([], b)
-        zeros = jnp.zeros(b, jnp.int32)
-        return (runner.DecodeBatch(zeros, zeros, jnp.full((b, n + 1), -1, jnp.int32), jnp.zeros((b, pg), jnp.int32),
-                                   zeros, jnp.zeros((b, n), jnp.int32)),
+            batch = ForwardBatch(np.zeros((b, n), np.int32), np.zeros((b, n), np.int32),
+                                 np.full((b, n), -1, np.int32), np.zeros((b, pg), np.int32))
+            return batch, np.zeros(b, np.int32), np.zeros((b, n), np.int32), self._sampling([], b)
+        zeros = np.zeros(b, np.int32)
+        return (runner.DecodeBatch(zeros, zeros, np.full((b, n + 1), -1, np.int32), np.zeros((b, pg), np.int32),
+                                   zeros, np.zeros((b, n), np.int32)),
                 self._sampling([], b))
 
     def _build_program(self, shape: StepShape):
@@ -241,7 +240,7 @@ class LLMEngine:
                                 tree)
 
         state = spec((self.tweights, self.kv, self.pweights, self.pstate))
-        args = spec(self._step_args(shape), self._inputs_sharding)
+        args = spec(self._step_args(shape), self._inputs_sharding or SingleDeviceSharding(self.kv.k[0].device))
         if shape.kind == "prefill":
             step = runner.prefill_step.lower(*state, *args, tcfg=self.tcfg, proposer=self.proposer,
                                              mode=shape.mode).compile()
@@ -256,10 +255,13 @@ class LLMEngine:
         return step, commit
 
     def _run(self, shape: StepShape, program, *args):
-        """Run a step program and commit its rows; -> the step's outputs."""
+        """Run a step program on host (numpy) inputs, placed here in one transfer each, and commit its rows;
+        -> the step's outputs."""
         step, commit = program
         if self._inputs_sharding is not None:
             args = jax.tree.map(lambda a: to_global(a, self._inputs_sharding), args)
+        else:
+            args = jax.device_put(args, self.kv.k[0].device)
         out = step(self.tweights, self.kv, self.pweights, self.pstate, *args)
         if shape.kind == "prefill":
             self.kv, self.pstate = commit(self.kv, self.pstate, args[0].slots, out[1], args[0].slots, out[2])
@@ -404,10 +406,10 @@ class LLMEngine:
     def _sampling(self, seqs: list[Sequence], batch: int) -> runner.SamplingBatch:
         pad = batch - len(seqs)
         return runner.SamplingBatch(
-            temperature=jnp.asarray([s.params.temperature for s in seqs] + [0.0] * pad, jnp.float32),
-            top_k=jnp.asarray([s.params.top_k for s in seqs] + [0] * pad, jnp.int32),
-            top_p=jnp.asarray([s.params.top_p for s in seqs] + [1.0] * pad, jnp.float32),
-            seeds=jnp.asarray([s.seed for s in seqs] + [0] * pad, jnp.int32),
+            temperature=np.asarray([s.params.temperature for s in seqs] + [0.0] * pad, np.float32),
+            top_k=np.asarray([s.params.top_k for s in seqs] + [0] * pad, np.int32),
+            top_p=np.asarray([s.params.top_p for s in seqs] + [1.0] * pad, np.float32),
+            seeds=np.asarray([s.seed for s in seqs] + [0] * pad, np.int32),
         )
 
     # ------------------------------------------------------------------------------------------------ prefill
@@ -439,8 +441,8 @@ class LLMEngine:
             slots[i, :n] = self._slots(seq, positions[i, :n])
             last_index[i] = n - 1
         table = self._page_table(seqs, b, shape.pages)
-        batch = ForwardBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(table))
-        first, _, _ = self._run(shape, program, batch, jnp.asarray(last_index), jnp.asarray(next_tokens),
+        batch = ForwardBatch(tokens, positions, slots, table)
+        first, _, _ = self._run(shape, program, batch, last_index, next_tokens,
                                 self._sampling(seqs, b))
         first = to_host(first)
         self.num_steps["prefill"] += 1
@@ -498,11 +500,11 @@ class LLMEngine:
                 host_drafts[i, :len(proposal)] = proposal
                 num_drafts[i] = len(proposal)
         table = self._page_table(seqs, shape.batch, shape.pages)
-        inputs = runner.DecodeBatch(jnp.asarray(bonus), jnp.asarray(start), jnp.asarray(slots), jnp.asarray(table),
-                                    jnp.asarray(num_drafts), jnp.asarray(host_drafts))
+        inputs = runner.DecodeBatch(bonus, start, slots, table, num_drafts, host_drafts)
         t0 = time.perf_counter()
         num_accepted, tokens, drafts, *_ = self._run(shape, program, inputs, self._sampling(seqs, shape.batch))
         num_accepted, tokens = to_host(num_accepted), to_host(tokens)
+        drafts = to_host(drafts) if self.record_drafts else None
         if self.controller is not None and self.programs.runs[shape] > 1:  # a program's first run pays set-up
             self._record_cost(need, shape, time.perf_counter() - t0)
         self.num_steps["decode"] += 1
@@ -514,7 +516,7 @@ class LLMEngine:
             if self.controller is not None and num_drafts[i] == k:
                 self.controller.record_acceptance(k, a)
             if seq.stats.draft_log is not None:
-                seq.stats.draft_log.append([int(d) for d in to_host(drafts)[i, :num_drafts[i]]])
+                seq.stats.draft_log.append([int(d) for d in drafts[i, :num_drafts[i]]])
             seq.num_cached = seq.start + a + 1  # old bonus + accepted drafts; the new bonus has no K/V yet
             outputs.append(self._commit(seq, [int(t) for t in tokens[i, :a + 1]]))
         return outputs
