@@ -1,8 +1,10 @@
 """Simulated tau (teacher-forced, every anchor) against the engine's tau from a `specjax bench` run, same prompts.
 
-The bench's plain-decoding outputs are the target's greedy answers to the bench prompts; simulated tau on those
-answers with the same drafter should match the engine's tau of `dflash@K` (which averages over the block starts the
-engine visits, not over every position).  Single-turn datasets only.  Prints one JSON line per dataset.
+The bench's plain-decoding outputs are the target's greedy answers to the bench prompts.  Simulated on those
+answers with the same drafter, the every-anchor tau reads high (block starts follow rejections more often than an
+average position does); the block-start tau (the anchors the engine visits) should match the engine's tau of
+`dflash@K`: a gap there would be a mismatch between the engine's drafter context and the training features.
+Single-turn datasets only.  Prints one JSON line per dataset.
 
   python scripts/sim_tau_vs_bench.py --bench docs/results/bench/bench.json --drafter DIR
 """
@@ -48,10 +50,12 @@ def main() -> None:
                 ids_ = target.tokenizer.encode_chat([{"role": "user", "content": prompt.turns[0]}])
                 store.append(prompt.id, dataset, ids_ + list(out), len(ids_), "length")
             sim = HeldOutSet(target, store, method.tap_indices, dcfg.block_size, max_len=2048).evaluate(
-                method, params, consts)[dataset]["tau"]
+                method, params, consts)[dataset]
         engine = {r["num_draft_tokens"]: r["tau"] for r in records
                   if r["method"].startswith("dflash") and r["dataset"] == dataset}
-        print(json.dumps({"dataset": dataset, "simulated_tau": {k: round(sim[k - 1], 3) for k in sorted(engine)},
+        print(json.dumps({"dataset": dataset,
+                          "simulated_tau": {k: round(sim["tau"][k - 1], 3) for k in sorted(engine)},
+                          "block_start_tau": {k: round(sim["tau_block_start"][k - 1], 3) for k in sorted(engine)},
                           "engine_tau": {k: round(v, 3) for k, v in sorted(engine.items())}}))
 
 

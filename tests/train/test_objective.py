@@ -246,3 +246,15 @@ def test_init_from_target_layer_reproduces_its_context_keys_and_values(setup):
         init_from_target(init_drafter(cfg, jax.random.PRNGKey(0)), cfg, target, (3, 3))
     assert DFlashMethod(cfg, Q, 4, 4.0, init_layers=(2, 3)).init_params(jax.random.PRNGKey(0), target).fc.shape \
         == weights.fc.shape
+
+
+def test_block_start_tau_walks_the_positions_a_greedy_engine_drafts_from():
+    from specjax.train.simtau import block_start_tau
+
+    accepted = np.array([2, 0, 0, 1, 0])  # drafts accepted when drafting from each answer position
+    # K = 3: draft at 0 (2 accepted + bonus -> next start 3), at 3 (1 + bonus -> 5 = end): steps of 3 and 2 tokens
+    assert block_start_tau([accepted], 3) == 2.5
+    # K = 1 caps each run: starts 0 (1), 2 (0), 3 (1) -> 2, 1, 2 tokens
+    assert block_start_tau([accepted], 1) == 5 / 3
+    # every-anchor mean would be 1 + mean(min(acc, 3)) = 1.6: block starts are not average positions
+    assert block_start_tau([accepted, np.array([0, 0])], 3) == (3 + 2 + 1 + 1) / 4
