@@ -1,6 +1,7 @@
 """Paired A/B of `specjax analyze kflat`: a git revision (A) against the working tree (B), interleaved in one run.
 
     python scripts/kflat_ab.py --base REV [--rounds 3] [--q 1,2,4,8,16] [--drafter DIR] [--out FILE]
+    python scripts/kflat_ab.py --a-flags=--no-quant-kernels [...]   # two settings of the working tree
 
 Each round runs A then B as separate processes (same flags, same machine state); the report is the median over
 rounds of each q's median, and of the drafter's block costs.  Used for issue #15's before/after table.
@@ -17,11 +18,12 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_kflat(src: str, args, out_dir: str) -> dict:
+def run_kflat(src: str, args, out_dir: str, flags: str = "") -> dict:
     cmd = [sys.executable, "-m", "specjax.cli", "analyze", "kflat", "--q", args.q, "--context", str(args.context),
            "--batch", str(args.batch), "--repeats", str(args.repeats), "--out-dir", out_dir]
     if args.drafter:
         cmd += ["--drafter", args.drafter, "--draft-blocks", args.draft_blocks]
+    cmd += flags.split()
     env = {**os.environ, "PYTHONPATH": src}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out_dir, "kflat.json")) as fh:
@@ -30,7 +32,9 @@ def run_kflat(src: str, args, out_dir: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", required=True, help="git revision measured as A")
+    p.add_argument("--base", default=None, help="git revision measured as A (default: the working tree)")
+    p.add_argument("--a-flags", default="", help="extra `analyze kflat` flags of side A")
+    p.add_argument("--b-flags", default="", help="extra `analyze kflat` flags of side B")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--q", default="1,2,4,8,16")
     p.add_argument("--context", type=int, default=512)
@@ -41,19 +45,23 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the JSON report here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        base = os.path.join(tmp, "base")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", base, args.base], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        base = os.path.join(tmp, "base") if args.base else ROOT
+        if args.base:
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", base, args.base], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             runs = {"A": [], "B": []}
+            sides = (("A", os.path.join(base, "src"), args.a_flags), ("B", os.path.join(ROOT, "src"), args.b_flags))
             for i in range(args.rounds):
-                for name, src in (("A", os.path.join(base, "src")), ("B", os.path.join(ROOT, "src"))):
-                    runs[name].append(run_kflat(src, args, os.path.join(tmp, f"{name}{i}")))
+                for name, src, flags in sides:
+                    runs[name].append(run_kflat(src, args, os.path.join(tmp, f"{name}{i}"), flags))
                     print(f"round {i + 1} {name}: " + " ".join(f"{r['q']}:{1000 * r['median_s']:.1f}ms"
                                                               for r in runs[name][-1]["results"]), flush=True)
         finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base], check=False)
-    report = {"base": args.base, "rounds": args.rounds, "context": args.context, "batch": args.batch, "sides": {}}
+            if args.base:
+                subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base], check=False)
+    report = {"base": args.base, "a_flags": args.a_flags, "b_flags": args.b_flags, "rounds": args.rounds,
+              "context": args.context, "batch": args.batch, "sides": {}}
     for name, recs in runs.items():
         qs = [r["q"] for r in recs[0]["results"]]
         med = {q: statistics.median(rec["results"][i]["median_s"] for rec in recs) for i, q in enumerate(qs)}

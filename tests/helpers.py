@@ -107,9 +107,10 @@ def random_prompt(rng: np.random.Generator, n: int, vocab: int = 256) -> list[in
     return [int(x) for x in rng.integers(0, vocab, size=n)]
 
 
-def write_gguf_from_hf(hf_dir: str, out_path: str) -> None:
-    """Write a float32 GGUF of a tiny HF checkpoint the way llama.cpp's converter lays it out (llama Q/K rows
-    permuted, GGUF tensor names, architecture metadata, the byte-level tokenizer)."""
+def write_gguf_from_hf(hf_dir: str, out_path: str, quant: str | None = None) -> None:
+    """Write a GGUF of a tiny HF checkpoint the way llama.cpp's converter lays it out (llama Q/K rows permuted,
+    GGUF tensor names, architecture metadata, the byte-level tokenizer): float32, or with every matrix in the
+    block format `quant` (Q4_0, Q4_1, Q8_0; norms and biases stay float32, as llama.cpp keeps them)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -165,7 +166,12 @@ def write_gguf_from_hf(hf_dir: str, out_path: str) -> None:
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             arr = permute_llama_qk(arr, heads)
-        w.add_tensor(hf_to_gguf[name], np.ascontiguousarray(arr, dtype=np.float32))
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if quant and arr.ndim == 2:
+            kind = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(hf_to_gguf[name], gguf.quants.quantize(arr, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(hf_to_gguf[name], arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -76,3 +76,26 @@ def test_logits_and_tokenizer_match_transformers_on_the_same_gguf(smollm, smollm
     ours, _ = full_forward(smollm.weights, smollm.config, ids)
     np.testing.assert_allclose(ours, ref, atol=2e-3, rtol=1e-3)
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() == 1.0
+
+
+@pytest.mark.slow
+def test_kernels_decode_what_xla_decodes_and_dflash_on_them_is_lossless(smollm, smollm_path):
+    """The default runtime path: the Q4_1 / Q8_0 blocks on specjax's CPU kernels (model/quant.py), against the
+    float32 XLA path on the same file, and the shipped DFlash drafter verified on the kernels against both."""
+    from specjax.llm import LLM
+    from specjax.model.loader import load_model
+
+    fast = load_model(smollm_path, quant_kernels=True)
+    if not fast.quantized_kernels:
+        pytest.skip("the quantized CPU kernels cannot run on this machine")
+    prompt = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in total?"
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    cfg = EngineConfig(max_model_len=512, max_num_seqs=1)
+    [xla] = LLM(method="ar", target=smollm, engine_config=cfg).generate([prompt], params)
+    [ar] = LLM(method="ar", target=fast, engine_config=cfg).generate([prompt], params)
+    dflash = LLM(method="dflash", target=fast, engine_config=cfg)
+    assert dflash.drafter_path is not None
+    [spec] = dflash.generate([prompt], params)
+    assert ar.token_ids == xla.token_ids
+    assert spec.token_ids == ar.token_ids
+    assert spec.stats.num_accepted > 10  # the drafter's blocks were verified, not only bonus tokens

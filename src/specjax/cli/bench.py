@@ -7,7 +7,14 @@ import os
 import sys
 import time
 
-from specjax.cli.common import DEFAULT_CACHE, add_parallel_args, enable_compile_cache, join_processes, machine_info
+from specjax.cli.common import (
+    DEFAULT_CACHE,
+    add_parallel_args,
+    add_quant_kernel_arg,
+    enable_compile_cache,
+    join_processes,
+    machine_info,
+)
 from specjax.config import ConfigError
 
 
@@ -33,7 +40,8 @@ def cmd_bench(args) -> int:
     methods = args.methods.split(",")
     if "ar" not in methods:
         methods = ["ar"] + methods  # the baseline every speedup is measured against
-    target = load_model(args.model, DTYPES[args.dtype], tensor_parallel_mesh(args.tensor_parallel_size))
+    target = load_model(args.model, DTYPES[args.dtype], tensor_parallel_mesh(args.tensor_parallel_size),
+                        args.quant_kernels)
     datasets = {name: load_eval(name, args.data_dir, args.data_file)[:num_prompts] for name in datasets_arg.split(",")}
     params = SamplingParams(temperature=args.temperature, max_new_tokens=max_new, seed=args.seed)
     llms = {}
@@ -99,7 +107,7 @@ def cmd_analyze_kflat(args) -> int:
     from specjax.model.loader import load_model
 
     enable_compile_cache(args.compile_cache)
-    target = load_model(args.model, DTYPES[args.dtype])
+    target = load_model(args.model, DTYPES[args.dtype], quant_kernels=args.quant_kernels)
     qs = [int(q) for q in args.q.split(",")]
     print(f"verify cost on {target.source} (context {args.context}, batch {args.batch}, median of {args.repeats})",
           file=sys.stderr)
@@ -204,6 +212,7 @@ def register(sub) -> None:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_quant_kernel_arg(b)
     add_parallel_args(b)
     b.add_argument("--max-model-len", type=int, default=2048)
     b.add_argument("--data-dir", default=None)
@@ -219,6 +228,7 @@ def register(sub) -> None:
     k = asub.add_parser("kflat", help="time one target verify forward for q tokens; t(q)/t(1) is the headline")
     k.add_argument("--model", default=None)
     k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_quant_kernel_arg(k)
     k.add_argument("--q", default="1,2,4,8,16,32,64,128,256", help="comma-separated tokens per forward")
     k.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
     k.add_argument("--batch", type=int, default=1)

@@ -26,7 +26,8 @@ def cmd_generate(args) -> int:
               EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=1,
                            num_draft_tokens=args.num_draft_tokens,
                            adaptive_k=args.adaptive_k and args.method != "ar"), dtype=args.dtype, seed=args.seed or 0,
-              ngram=tuple(int(x) for x in args.ngram.split(",")), tensor_parallel_size=args.tensor_parallel_size)
+              ngram=tuple(int(x) for x in args.ngram.split(",")), tensor_parallel_size=args.tensor_parallel_size,
+              quant_kernels=args.quant_kernels)
     load_s = time.perf_counter() - t0
     leader = jax.process_index() == 0
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()

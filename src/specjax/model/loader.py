@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from specjax.config import ConfigError, ModelConfig, RopeConfig, replace
 from specjax.model import hub
+from specjax.model.quant import HostBlocks, QuantMatrix, to_device
 from specjax.model.target import TargetLayer, TargetWeights, fused_row_order, gate_up_parts, qkv_parts
 from specjax.model.tokenizer import Tokenizer
 from specjax.parallel import mesh_size, placer
@@ -40,6 +41,12 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     source: str
     mesh: Mesh | None = None  # the devices the weights are split over (tensor parallelism), None = one device
+
+    @property
+    def quantized_kernels(self) -> bool:
+        """Whether the projections run on the GGUF-block CPU kernels (model/quant.py)."""
+        return self.weights.head_blocks is not None or any(
+            isinstance(w, QuantMatrix) for w in (self.weights.layers[0].w_qkv, self.weights.layers[0].w_down))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -137,13 +144,25 @@ class TensorReader:
 # --------------------------------------------------------------------------------------------------------------
 
 def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str, dtype=jnp.float32,
-                    mesh=None) -> tuple[ModelConfig, TargetWeights]:
+                    mesh=None, blocks: dict[str, HostBlocks] | None = None,
+                    kernels: dict[str, str] | None = None) -> tuple[ModelConfig, TargetWeights]:
     """Build TargetWeights from HF-named [out, in] arrays, checking names and shapes against `cfg`; with a
-    `mesh`, split over it for tensor parallelism (specjax/parallel.py).  -> (cfg with its tensor_parallel set,
-    weights)."""
+    `mesh`, split over it for tensor parallelism (specjax/parallel.py).  `blocks` (GGUF block-quantized copies of
+    some matrices, by HF name) and `kernels` (FFI target per block format, specjax/kernels) make those matrices
+    QuantMatrix (model/quant.py) when all parts of a projection have them.  -> (cfg with its tensor_parallel
+    set, weights)."""
     cfg = replace(cfg, tensor_parallel=mesh_size(mesh))
     reader = TensorReader(tensors, source)
     take = reader.take
+    blocks = blocks if kernels and mesh is None and dtype == jnp.float32 else {}
+
+    def quantized(placed, names, rows=None):
+        """`placed` (a device array) as a QuantMatrix when every named part has blocks of a kernel's format."""
+        parts = [blocks.get(n) for n in names]
+        if not parts or any(p is None or p.kind not in kernels for p in parts):
+            return placed
+        fused = HostBlocks.stack(parts)
+        return to_device(fused if rows is None else fused.rows(rows), placed, kernels[fused.kind])
 
     d, v, h, f = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
     qs, kvs = cfg.q_size, cfg.kv_size
@@ -161,14 +180,15 @@ def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: st
         gate_up = np.concatenate([take(n["gate"], (f, d)), take(n["up"], (f, d))], axis=0)
         layers.append(TargetLayer(
             attn_norm=dev(take(n["attn_norm"], (d,)), "replicated"),
-            w_qkv=dev(np.concatenate([wq, wk, wv], axis=0)[qkv_rows], "rows"),
+            w_qkv=quantized(dev(np.concatenate([wq, wk, wv], axis=0)[qkv_rows], "rows"), [n["q"], n["k"], n["v"]],
+                            qkv_rows),
             b_qkv=dev(bias, "rows"),
             q_norm=dev(take(n["q_norm"], (h,)), "replicated") if cfg.qk_norm else None,
             k_norm=dev(take(n["k_norm"], (h,)), "replicated") if cfg.qk_norm else None,
-            w_o=dev(take(n["o"], (d, qs)), "cols"),
+            w_o=quantized(dev(take(n["o"], (d, qs)), "cols"), [n["o"]]),
             mlp_norm=dev(take(n["mlp_norm"], (d,)), "replicated"),
-            w_gate_up=dev(gate_up[gate_up_rows], "rows"),
-            w_down=dev(take(n["down"], (d, f)), "cols"),
+            w_gate_up=quantized(dev(gate_up[gate_up_rows], "rows"), [n["gate"], n["up"]], gate_up_rows),
+            w_down=quantized(dev(take(n["down"], (d, f)), "cols"), [n["down"]]),
         ))
     embed = take(HF_GLOBAL_NAMES["embed"], (v, d))
     final_norm = take(HF_GLOBAL_NAMES["final_norm"], (d,))
@@ -180,8 +200,11 @@ def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: st
     unexpected = [k for k in reader.unexpected() if not HF_IGNORED.match(k)]
     if unexpected:
         raise CheckpointError(f"{source}: unexpected tensors for {cfg.family} config: {unexpected[:8]}")
-    return cfg, TargetWeights(embed=dev(embed, "vocab"), layers=tuple(layers),
-                              final_norm=dev(final_norm, "replicated"), lm_head=lm_head)
+    embed = dev(embed, "vocab")
+    head_name = HF_GLOBAL_NAMES["embed" if lm_head is None else "lm_head"]
+    head = quantized(embed if lm_head is None else lm_head, [head_name])
+    return cfg, TargetWeights(embed=embed, layers=tuple(layers), final_norm=dev(final_norm, "replicated"),
+                              lm_head=lm_head, head_blocks=head if isinstance(head, QuantMatrix) else None)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -308,8 +331,12 @@ def gguf_model_config(reader, source: str) -> ModelConfig:
     )
 
 
-def load_gguf(path: str, dtype=jnp.float32, mesh=None) -> LoadedModel:
+def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = False) -> LoadedModel:
+    """`quant_kernels`: also keep the matrices stored in a kernel's block format (Q4_0, Q4_1, Q8_0) as blocks,
+    for the CPU kernels (model/quant.py), when they can run here (one device, float32)."""
+    from specjax.kernels import quant_kernels as built_kernels
     from specjax.model.gguf_file import GGUFFile, dequantize
+    from specjax.model.quant import BLOCK_LAYOUT
 
     if not os.path.isfile(path):
         raise CheckpointError(f"GGUF file not found: {path}")
@@ -318,17 +345,25 @@ def load_gguf(path: str, dtype=jnp.float32, mesh=None) -> LoadedModel:
     except (ValueError, OSError, KeyError, IndexError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from None
     cfg = gguf_model_config(reader, path)
-    tensors = {}
+    kernels = built_kernels() if quant_kernels and mesh is None and dtype == jnp.float32 else None
+    tensors, blocks = {}, {}
     for t in reader.tensors:
         if t.name in GGUF_IGNORED:
             continue
         arr = dequantize(t.data, t.tensor_type)  # a new float32 array (not a view of the mapping)
         name = gguf_to_hf_name(t.name)
+        q = None
+        if kernels is not None and t.tensor_type.name in BLOCK_LAYOUT and arr.ndim == 2:
+            q = HostBlocks.from_gguf(t.data, t.tensor_type.name)
         if cfg.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
             arr = unpermute_llama_qk(arr, heads)
+            q = q and HostBlocks(q.kind, *(a if a is None else unpermute_llama_qk(a, heads)
+                                           for a in (q.codes, q.scales, q.mins)))
         tensors[name] = arr
-    cfg, weights = assemble_target(cfg, tensors, path, dtype, mesh)
+        if q is not None:
+            blocks[name] = q
+    cfg, weights = assemble_target(cfg, tensors, path, dtype, mesh, blocks, kernels and kernels.targets)
     return LoadedModel(cfg, weights, Tokenizer.from_gguf(reader, path), path, mesh)
 
 
@@ -356,9 +391,10 @@ def default_model_path() -> str:
     return path
 
 
-def load_model(path: str | None = None, dtype=jnp.float32, mesh=None) -> LoadedModel:
+def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kernels: bool = False) -> LoadedModel:
     """Load a target from a HF directory, a .gguf file, a hub name ("org/name[@revision]", see model/hub.py), or
-    (None / "default") the embedded SmolLM2."""
+    (None / "default") the embedded SmolLM2.  `quant_kernels`: run a GGUF file's block-quantized matrices on
+    the CPU kernels where they can run (see load_gguf); inference only (training wants plain arrays)."""
     if path in (None, "default"):
         path = default_model_path()
     path = hub.resolve(path, "model")
@@ -367,5 +403,5 @@ def load_model(path: str | None = None, dtype=jnp.float32, mesh=None) -> LoadedM
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise CheckpointError(f"model file must be a .gguf (or pass a HF model directory): {path}")
-        return load_gguf(path, dtype, mesh)
+        return load_gguf(path, dtype, mesh, quant_kernels)
     raise CheckpointError(f"model path does not exist: {path}")

@@ -30,6 +30,7 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.model.attention import KVRows, paged_attention
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin
+from specjax.model.quant import QuantMatrix, matmul
 
 
 def fused_row_order(part_sizes: tuple[int, ...], shards: int) -> np.ndarray:
@@ -52,6 +53,9 @@ def gate_up_parts(cfg: ModelConfig) -> tuple[int, int]:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class TargetLayer:
+    """The four projections are arrays, or QuantMatrix (model/quant.py) when loaded from GGUF blocks for the CPU
+    kernels; either way they are multiplied by `matmul`."""
+
     attn_norm: jax.Array  # [D]
     w_qkv: jax.Array  # [(N + 2K) * H, D]: q, k, v projections fused, rows in fused_row_order(qkv_parts)
     b_qkv: jax.Array | None  # [(N + 2K) * H] (Qwen2) or None, same row order
@@ -70,6 +74,7 @@ class TargetWeights:
     layers: tuple[TargetLayer, ...]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None  # [V, D], or None when tied to `embed`
+    head_blocks: QuantMatrix | None = None  # the LM head's rows as GGUF blocks for `logits` (model/quant.py)
 
     @property
     def vocab_rows(self) -> jax.Array:
@@ -122,7 +127,7 @@ def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, bat
     b, t = batch.tokens.shape
     g = cfg.tensor_parallel
     xn = rms_norm(x, layer.attn_norm[:, None], cfg.rms_norm_eps, axis=0)
-    qkv = layer.w_qkv @ xn  # [(N + 2K) * H, B*T], rows grouped by shard (see fused_row_order)
+    qkv = matmul(layer.w_qkv, xn)  # [(N + 2K) * H, B*T], rows grouped by shard (see fused_row_order)
     if layer.b_qkv is not None:
         qkv = qkv + layer.b_qkv[:, None]
     qkv = kept(qkv).T.reshape(b, t, g, -1)
@@ -136,15 +141,16 @@ def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, bat
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o = paged_attention(q, k_pool, v_pool, batch.page_table, batch.positions, batch.slots >= 0, k, v,
                         cfg.head_dim ** -0.5)
-    return x + layer.w_o @ o.reshape(b * t, cfg.q_size).T, k, v
+    return x + matmul(layer.w_o, o.reshape(b * t, cfg.q_size).T), k, v
 
 
 def mlp_block(layer: TargetLayer, cfg: ModelConfig, x):
     """Pre-norm SwiGLU MLP, feature-major: x [D, M] -> x + down(silu(gate) * up)."""
-    gate_up = layer.w_gate_up @ rms_norm(x, layer.mlp_norm[:, None], cfg.rms_norm_eps, axis=0)  # grouped by shard
+    xn = rms_norm(x, layer.mlp_norm[:, None], cfg.rms_norm_eps, axis=0)
+    gate_up = matmul(layer.w_gate_up, xn)  # rows grouped by shard
     gate_up = gate_up.reshape(cfg.tensor_parallel, 2, -1, x.shape[1])
     gate, up = (gate_up[:, i].reshape(cfg.intermediate_size, -1) for i in range(2))
-    return x + layer.w_down @ (jax.nn.silu(gate) * up)
+    return x + matmul(layer.w_down, jax.nn.silu(gate) * up)
 
 
 def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: ModelConfig,
@@ -174,7 +180,10 @@ def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: Model
 def logits(weights: TargetWeights, hidden: jax.Array) -> jax.Array:
     """LM head: hidden [..., D] -> float32 logits [..., V] (computed vocab-major, [V, rows], then transposed)."""
     rows = hidden.reshape(-1, hidden.shape[-1])
-    out = jnp.einsum("vd,md->vm", weights.vocab_rows, rows, preferred_element_type=jnp.float32)
+    if weights.head_blocks is not None:
+        out = matmul(weights.head_blocks, rows.T)
+    else:
+        out = jnp.einsum("vd,md->vm", weights.vocab_rows, rows, preferred_element_type=jnp.float32)
     return kept(out).T.reshape(*hidden.shape[:-1], -1)
 
 

@@ -1,0 +1,118 @@
+"""specjax's native CPU kernels: compiled from kernels/*.cc on first use, cached on disk, registered with XLA.
+
+A kernel library is built once per (source, compiler, jaxlib, CPU flags) into `$SPECJAX_KERNEL_CACHE` (default
+~/.cache/specjax/kernels) and loaded with ctypes; its XLA FFI handlers are registered under names that carry the
+build key, so a changed kernel never matches a stale entry of the persistent compilation cache.  Where a kernel
+cannot run (no C++ compiler, no AVX-512F, a non-CPU backend, `SPECJAX_KERNELS=0`) `quant_kernels()` returns None
+with the reason logged once, and callers keep the plain XLA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+
+log = logging.getLogger(__name__)
+
+QUANT_SOURCE = "quant_matmul.cc"
+QUANT_HANDLERS = {"Q4_0": "SpecjaxQ4_0", "Q4_1": "SpecjaxQ4_1", "Q8_0": "SpecjaxQ8_0"}
+CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernels cannot be built or run here (the message says why)."""
+
+
+@dataclass(frozen=True)
+class QuantKernels:
+    """FFI target name per GGUF block format (Q4_0, Q4_1, Q8_0), registered for the CPU platform."""
+
+    targets: dict[str, str]
+
+
+def cache_dir() -> str:
+    return os.environ.get("SPECJAX_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax",
+                                                                   "kernels")
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def build(source: str, include_dir: str, out_dir: str, compiler: str, extra_key: str = "") -> str:
+    """Compile `source` into out_dir (atomically; concurrent builders race harmlessly) unless a library with the
+    same key is already there.  -> the library's path.  Raises KernelUnavailable with the compiler's output."""
+    with open(source, "rb") as fh:
+        code = fh.read()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(b"\0".join([code, version.encode(), " ".join(CXX_FLAGS).encode(),
+                                     extra_key.encode()])).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(source))[0]
+    path = os.path.join(out_dir, f"{stem}-{key}.so")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CXX_FLAGS, f"-I{include_dir}", source, "-o", tmp],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"{compiler} failed on {os.path.basename(source)}: "
+                                    f"{(done.stderr or done.stdout).strip()[-600:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def _load_quant_kernels() -> QuantKernels:
+    import jax
+
+    if os.environ.get("SPECJAX_KERNELS", "1") == "0":
+        raise KernelUnavailable("disabled by SPECJAX_KERNELS=0")
+    if jax.default_backend() != "cpu":
+        raise KernelUnavailable(f"the kernels are for the CPU backend, not {jax.default_backend()}")
+    flags = cpu_flags()
+    if "avx512f" not in flags.split():
+        raise KernelUnavailable("this CPU has no AVX-512F")
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
+    with resources.as_file(resources.files(__package__) / QUANT_SOURCE) as source:
+        path = build(str(source), jax.ffi.include_dir(), cache_dir(), compiler, jax.__version__ + flags)
+    lib = ctypes.CDLL(path)
+    tag = os.path.basename(path).rsplit("-", 1)[1][:-3]
+    targets = {}
+    for kind, symbol in QUANT_HANDLERS.items():
+        name = f"specjax_{kind.lower()}_{tag}"
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        targets[kind] = name
+    return QuantKernels(targets)
+
+
+@functools.lru_cache(maxsize=None)
+def quant_kernels() -> QuantKernels | None:
+    """The block-quantized matmul kernels of kernels/quant_matmul.cc, built and registered once per process, or
+    None where they cannot run here (the reason is logged)."""
+    try:
+        return _load_quant_kernels()
+    except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
+        log.warning("quantized CPU kernels unavailable, using float32 XLA matmuls: %s", e)
+        return None

@@ -1,0 +1,95 @@
+"""GGUF block-quantized weight matrices on the device, and `matmul`, the one product every target projection uses.
+
+A `QuantMatrix` keeps a [O, I] weight twice: its GGUF blocks (codes, float32 scales and mins; 0.6-1.1 bytes per
+weight) for the kernels of specjax/kernels/quant_matmul.cc, and the dequantized float32 matrix (the same values,
+bit for bit) for XLA.  A product with few tokens (decoding, verification, small batches) reads the blocks: it is
+bound by the bytes of weights it streams, ~6x fewer than float32.  Wider products (prefill, large batches) are
+compute-bound and XLA's float32 dot is faster there.  The split is a static shape test, `KERNEL_MAX_TOKENS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Widest product (tokens M of W[O, I] @ x[I, M]) that goes to the kernel.  Measured on SmolLM2's 30-layer
+# projection chain (2 cores, AVX-512): kernel / XLA float32 = 5.7 / 18.5 ms at M = 1, 14.3 / 26.8 at M = 8,
+# 35.0 / 32.6 at M = 16 (docs/results/kflat.md).
+KERNEL_MAX_TOKENS = 12
+
+# GGUF block formats the kernels read: bytes per block of 32 weights, offset of the codes, whether a min follows d.
+BLOCK_LAYOUT = {"Q4_0": (18, 2, False), "Q4_1": (20, 4, True), "Q8_0": (34, 2, False)}
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantMatrix:
+    codes: jax.Array  # [O, I/32, 16] uint8 (Q4: low nibbles = weights 0..15 of a block) or [O, I/32, 32] int8
+    scales: jax.Array  # [O, I/32] float32
+    mins: jax.Array | None  # [O, I/32] float32 (Q4_1) or None
+    dense: jax.Array  # [O, I] float32: the same weights dequantized
+    target: str = dataclasses.field(metadata=dict(static=True))  # registered FFI target of the kernel
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.dense.shape
+
+
+@dataclass(frozen=True)
+class HostBlocks:
+    """A quantized [O, I] matrix on the host, split into the kernel's arrays; rows can be selected and stacked
+    (fused projections, llama.cpp's Q/K row permutation) before it goes to the device."""
+
+    kind: str
+    codes: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray | None
+
+    @classmethod
+    def from_gguf(cls, data: np.ndarray, kind: str) -> HostBlocks:
+        """data: a GGUF tensor's bytes [O, I/32 * block bytes]."""
+        size, start, has_min = BLOCK_LAYOUT[kind]
+        blocks = np.asarray(data).reshape(data.shape[0], -1, size)
+        scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32) if has_min else None
+        codes = np.ascontiguousarray(blocks[..., start:])
+        return cls(kind, codes.view(np.int8) if kind == "Q8_0" else codes, scales, mins)
+
+    def rows(self, index) -> HostBlocks:
+        mins = None if self.mins is None else self.mins[index]
+        return HostBlocks(self.kind, self.codes[index], self.scales[index], mins)
+
+    @staticmethod
+    def stack(parts: list[HostBlocks]) -> HostBlocks:
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot fuse matrices quantized differently: {sorted(kinds)}")
+        mins = None if parts[0].mins is None else np.concatenate([p.mins for p in parts], axis=0)
+        return HostBlocks(parts[0].kind, np.concatenate([p.codes for p in parts], axis=0),
+                          np.concatenate([p.scales for p in parts], axis=0), mins)
+
+
+def to_device(blocks: HostBlocks, dense: jax.Array, target: str) -> QuantMatrix:
+    """`dense`: the same matrix already on the device (float32; shared, not copied)."""
+    if tuple(dense.shape) != (blocks.codes.shape[0], blocks.codes.shape[1] * 32) or dense.dtype != jnp.float32:
+        raise ValueError(f"dense {dense.dtype}{tuple(dense.shape)} does not match the blocks {blocks.codes.shape}")
+    mins = None if blocks.mins is None else jnp.asarray(blocks.mins)
+    return QuantMatrix(jnp.asarray(blocks.codes), jnp.asarray(blocks.scales), mins, dense, target)
+
+
+def dense(w) -> jax.Array:
+    """The float32 (or loaded dtype) [O, I] matrix of a weight, quantized or not."""
+    return w.dense if isinstance(w, QuantMatrix) else w
+
+
+def matmul(w, x: jax.Array) -> jax.Array:
+    """W[O, I] @ x[I, M] -> [O, M]: the kernel for a QuantMatrix and M <= KERNEL_MAX_TOKENS, else XLA."""
+    if not isinstance(w, QuantMatrix) or x.shape[1] > KERNEL_MAX_TOKENS or x.dtype != jnp.float32:
+        return dense(w) @ x
+    args = (w.codes, w.scales) + (() if w.mins is None else (w.mins,)) + (x,)
+    out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(w.target, out)(*args)

@@ -1,0 +1,139 @@
+"""GGUF block kernels (specjax/kernels, model/quant.py): against float64 products of the dequantized weights, and
+a quantized GGUF target run on them against the same file run on XLA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.config import EngineConfig
+from specjax.engine.engine import LLMEngine
+from specjax.kernels import KernelUnavailable, build, quant_kernels
+from specjax.model import target as tgt
+from specjax.model.gguf_file import dequantize
+from specjax.model.loader import load_model
+from specjax.model.quant import KERNEL_MAX_TOKENS, HostBlocks, QuantMatrix, matmul, to_device
+from specjax.sampling import SamplingParams
+from tests.helpers import FAMILIES, random_prompt, write_gguf_from_hf
+
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = quant_kernels()
+    if k is None:
+        pytest.skip("the quantized CPU kernels cannot run on this machine (the logged warning says why)")
+    return k
+
+
+def quantized_matrix(kind: str, rows: int, cols: int, kernels, seed=0):
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), gguf.GGMLQuantizationType[kind])
+    dense = dequantize(data, gguf.GGMLQuantizationType[kind])
+    return to_device(HostBlocks.from_gguf(data, kind), jnp.asarray(dense), kernels.targets[kind]), dense
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_matches_the_dequantized_product(kernels, kind):
+    """Odd row counts (the tails of the row tiles and of the thread split), 1..KERNEL_MAX_TOKENS tokens (every
+    token-tile width); each token's column is bit-identical whatever the number of tokens sharing the call."""
+    for rows, cols in [(37, 64), (200, 96), (130, 32)]:
+        w, dense = quantized_matrix(kind, rows, cols, kernels)
+        x = np.random.default_rng(1).standard_normal((cols, KERNEL_MAX_TOKENS)).astype(np.float32)
+        ref = dense.astype(np.float64) @ x.astype(np.float64)
+        bound = np.abs(dense).astype(np.float64) @ np.abs(x).astype(np.float64)
+        alone = [np.asarray(jax.jit(matmul)(w, jnp.asarray(x[:, j:j + 1]))) for j in range(x.shape[1])]
+        for m in (1, 2, 3, 4, 5, 7, KERNEL_MAX_TOKENS):
+            y = np.asarray(jax.jit(matmul)(w, jnp.asarray(x[:, :m])))
+            assert y.shape == (rows, m) and y.dtype == np.float32
+            assert np.all(np.abs(y - ref[:, :m]) <= 1e-5 * bound[:, :m] + 1e-6), (rows, m)
+            for j in range(m):
+                np.testing.assert_array_equal(y[:, j], alone[j][:, 0])
+
+
+def test_wide_products_use_the_dense_matrix(kernels):
+    w, dense = quantized_matrix("Q4_1", 64, 64, kernels)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((64, KERNEL_MAX_TOKENS + 1)).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(matmul)(w, x)), np.asarray(jax.jit(jnp.matmul)(dense, x)))
+
+
+def test_fused_rows_keep_their_blocks(kernels):
+    """Stacking and row selection (fused q/k/v, llama.cpp's Q/K permutation) move whole rows of every array."""
+    import gguf
+
+    rng = np.random.default_rng(3)
+    parts = [gguf.quants.quantize(rng.standard_normal((r, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
+             for r in (8, 4)]
+    order = rng.permutation(12)
+    fused = HostBlocks.stack([HostBlocks.from_gguf(p, "Q4_1") for p in parts]).rows(order)
+    dense = np.concatenate([dequantize(p, gguf.GGMLQuantizationType.Q4_1) for p in parts])[order]
+    w = to_device(fused, jnp.asarray(dense), kernels.targets["Q4_1"])
+    x = np.eye(64, 4, dtype=np.float32)
+    np.testing.assert_allclose(np.asarray(matmul(w, jnp.asarray(x))), dense @ x, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="quantized differently"):
+        HostBlocks.stack([HostBlocks.from_gguf(parts[0], "Q4_1"), HostBlocks.from_gguf(parts[0][:, :34], "Q8_0")])
+
+
+def test_build_failure_names_the_compiler_error(tmp_path):
+    src = tmp_path / "broken.cc"
+    src.write_text("this is not C++\n")
+    with pytest.raises(KernelUnavailable, match="broken.cc"):
+        build(str(src), str(tmp_path), str(tmp_path / "out"), "g++")
+
+
+def test_disabled_by_environment(monkeypatch):
+    from specjax.kernels import _load_quant_kernels
+
+    monkeypatch.setenv("SPECJAX_KERNELS", "0")
+    with pytest.raises(KernelUnavailable, match="SPECJAX_KERNELS=0"):
+        _load_quant_kernels()
+
+
+def short_forward(model, ids):
+    """Logits of `ids` as ONE forward of len(ids) <= KERNEL_MAX_TOKENS tokens (the kernels' side of `matmul`)."""
+    cfg, n = model.config, len(ids)
+    kv = tgt.init_kv_pages(cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+    batch = tgt.ForwardBatch(jnp.asarray([ids], jnp.int32), jnp.arange(n)[None], 16 + jnp.arange(n)[None],
+                             jnp.asarray([[1]]))
+    hidden, _, _ = tgt.forward(model.weights, kv, batch, cfg)
+    return np.asarray(tgt.logits(model.weights, hidden)[0])
+
+
+@pytest.mark.parametrize("family,kind", [(f, k) for f in FAMILIES for k in ("Q4_1", "Q8_0")] + [("llama", "Q4_0")])
+def test_quantized_gguf_on_kernels_matches_xla(tiny_dirs, tmp_path, kernels, family, kind):
+    path = str(tmp_path / f"{family}-{kind}.gguf")
+    write_gguf_from_hf(tiny_dirs[family], path, kind)
+    plain, fast = load_model(path), load_model(path, quant_kernels=True)
+    assert not plain.quantized_kernels and fast.quantized_kernels
+    assert all(isinstance(getattr(layer, name), QuantMatrix) for layer in fast.weights.layers
+               for name in ("w_qkv", "w_o", "w_gate_up", "w_down"))
+    assert isinstance(fast.weights.head_blocks, QuantMatrix)
+    ids = random_prompt(np.random.default_rng(0), 9)
+    np.testing.assert_allclose(short_forward(fast, ids), short_forward(plain, ids), atol=2e-5, rtol=1e-5)
+    config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    [a] = LLMEngine(plain.config, plain.weights, config=config).generate([ids], params)
+    [b] = LLMEngine(fast.config, fast.weights, config=config).generate([ids], params)
+    assert a.output_ids == b.output_ids
+
+
+def test_speculative_decoding_on_kernels_is_lossless(tiny_dirs, tmp_path, kernels):
+    """Verification (blocks of 8 on the kernels) against plain decoding (1 token), both on the kernels."""
+    from specjax.drafter.loader import drafter_config_for, init_drafter
+    from specjax.spec.proposer import DFlashProposer
+
+    path = str(tmp_path / "llama-Q4_1.gguf")
+    write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
+    model = load_model(path, quant_kernels=True)
+    assert model.quantized_kernels
+    ids = random_prompt(np.random.default_rng(4), 11)
+    config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    [ar] = LLMEngine(model.config, model.weights, config=config).generate([ids], params)
+    dcfg = drafter_config_for(model.config, num_layers=1, block_size=8)
+    dw = init_drafter(dcfg, jax.random.PRNGKey(0))
+    [spec] = LLMEngine(model.config, model.weights, DFlashProposer(dcfg, 8), dw, config).generate([ids], params)
+    assert spec.output_ids == ar.output_ids
