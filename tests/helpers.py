@@ -107,6 +107,16 @@ def random_prompt(rng: np.random.Generator, n: int, vocab: int = 256) -> list[in
     return [int(x) for x in rng.integers(0, vocab, size=n)]
 
 
+def kernels_expected() -> bool:
+    """Whether specjax's CPU kernels must build and run here (AVX-512F and a C++ compiler, not disabled)."""
+    import shutil
+
+    from specjax.kernels import cpu_flags
+
+    return ("avx512f" in cpu_flags().split() and bool(os.environ.get("CXX") or shutil.which("g++"))
+            and os.environ.get("SPECJAX_KERNELS", "1") != "0")
+
+
 def write_gguf_from_hf(hf_dir: str, out_path: str, quant: str | None = None) -> None:
     """Write a GGUF of a tiny HF checkpoint the way llama.cpp's converter lays it out (llama Q/K rows permuted,
     GGUF tensor names, architecture metadata, the byte-level tokenizer): float32, or with every matrix in the

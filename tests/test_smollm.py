@@ -12,6 +12,7 @@ from specjax.config import EngineConfig
 from specjax.engine.engine import LLMEngine
 from specjax.sampling import SamplingParams
 from specjax.spec.proposer import DFlashProposer
+from tests.helpers import kernels_expected
 
 pytestmark = pytest.mark.smollm
 
@@ -87,6 +88,7 @@ def test_kernels_decode_what_xla_decodes_and_dflash_on_them_is_lossless(smollm, 
 
     fast = load_model(smollm_path, quant_kernels=True)
     if not fast.quantized_kernels:
+        assert not kernels_expected(), "the quantized CPU kernels did not build on a machine that has what they need"
         pytest.skip("the quantized CPU kernels cannot run on this machine")
     prompt = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in total?"
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
