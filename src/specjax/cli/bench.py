@@ -88,6 +88,7 @@ def cmd_bench(args) -> int:
               "config": {"methods": methods, "datasets": list(datasets), "num_prompts": num_prompts,
                          "max_new_tokens": max_new, "temperature": args.temperature, "block_size": args.block_size,
                          "num_draft_tokens": args.num_draft_tokens, "model": target.source,
+                         "quant_kernels": target.quantized_kernels,
                          "drafters": {m: llm.drafter_path for m, llm in llms.items() if llm.drafter_path},
                          "command": " ".join(sys.argv)},
               "records": records}
@@ -124,8 +125,9 @@ def cmd_analyze_kflat(args) -> int:
 
     results = verify_costs(target.config, target.weights, qs, args.context, args.repeats, args.batch,
                            progress=progress)
-    record = {"kind": "kflat", "model": target.source, "context": args.context, "batch": args.batch,
-              "dtype": args.dtype, "results": results, "machine": machine_info()}
+    record = {"kind": "kflat", "model": target.source, "quant_kernels": target.quantized_kernels,
+              "context": args.context, "batch": args.batch, "dtype": args.dtype, "results": results,
+              "machine": machine_info()}
     if args.drafter:
         proposer, pweights = build_proposer("dflash", target, args.drafter)
         blocks = [int(b) for b in args.draft_blocks.split(",")]

@@ -52,7 +52,8 @@ def cmd_generate(args) -> int:
         print(json.dumps({"method": llm.method, "prompt_tokens": len(ids), "new_tokens": len(res.token_ids),
                           "ttft_s": res.ttft, "tpot_s": res.tpot, "tau": res.stats.mean_acceptance_length,
                           "acceptance_lengths": res.stats.acceptance_lengths, "text": res.text,
-                          "token_ids": res.token_ids, "process": jax.process_index()}))
+                          "token_ids": res.token_ids, "quant_kernels": llm.target.quantized_kernels,
+                          "process": jax.process_index()}))
     if not leader:  # the other processes of a multi-host run computed the same steps; process 0 reports
         return 0
     s = res.stats
@@ -61,6 +62,8 @@ def cmd_generate(args) -> int:
         llm.method, f"{llm.method} (block {getattr(engine.proposer, 'block_size', '-')}, K={engine.num_draft})")
     if engine.controller is not None:
         desc += f", adaptive K in {engine.k_options}"
+    if llm.target.quantized_kernels:
+        desc += ", GGUF block kernels"
     lines = [f"--- {desc} | load {load_s:.1f}s | prompt {len(ids)} tok | {len(res.token_ids)} new tok "
              f"({res.finish_reason}) | TTFT {res.ttft:.2f}s"]
     if res.tpot:
