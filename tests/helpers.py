@@ -107,6 +107,27 @@ def random_prompt(rng: np.random.Generator, n: int, vocab: int = 256) -> list[in
     return [int(x) for x in rng.integers(0, vocab, size=n)]
 
 
+def plain_and_random_dflash(cfg, weights, ids: list[int], max_new_tokens: int, max_model_len: int,
+                            block_size: int = 8) -> tuple[list[int], list[int]]:
+    """Greedy outputs of plain decoding and of DFlash with a random 1-layer drafter (blocks of `block_size`) on the
+    same target: a lossless engine makes them equal whatever the drafter proposes."""
+    import jax
+
+    from specjax.config import EngineConfig
+    from specjax.drafter.loader import drafter_config_for, init_drafter
+    from specjax.engine.engine import LLMEngine
+    from specjax.sampling import SamplingParams
+    from specjax.spec.proposer import DFlashProposer
+
+    config = EngineConfig(max_model_len=max_model_len, max_num_seqs=1, page_size=8)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    [ar] = LLMEngine(cfg, weights, config=config).generate([ids], params)
+    dcfg = drafter_config_for(cfg, num_layers=1, block_size=block_size)
+    dw = init_drafter(dcfg, jax.random.PRNGKey(0))
+    [spec] = LLMEngine(cfg, weights, DFlashProposer(dcfg, block_size), dw, config).generate([ids], params)
+    return ar.output_ids, spec.output_ids
+
+
 def kernels_expected() -> bool:
     """Whether specjax's CPU kernels must build and run here (AVX-512F and a C++ compiler, not disabled)."""
     import shutil

@@ -11,8 +11,7 @@ import pytest
 from specjax.config import EngineConfig
 from specjax.engine.engine import LLMEngine
 from specjax.sampling import SamplingParams
-from specjax.spec.proposer import DFlashProposer
-from tests.helpers import kernels_expected
+from tests.helpers import kernels_expected, plain_and_random_dflash
 
 pytestmark = pytest.mark.smollm
 
@@ -41,18 +40,9 @@ def test_greedy_answer_is_sensible(smollm):
 
 
 def test_random_drafter_on_real_model_is_lossless(smollm):
-    import jax
-
-    from specjax.drafter.loader import drafter_config_for, init_drafter
-
     ids = smollm.tokenizer.encode_chat([{"role": "user", "content": "List three colors."}])
-    config = EngineConfig(max_model_len=256, max_num_seqs=1, page_size=8)
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    [ar] = LLMEngine(smollm.config, smollm.weights, config=config).generate([ids], params)
-    dcfg = drafter_config_for(smollm.config, num_layers=1, block_size=8)
-    dw = init_drafter(dcfg, jax.random.PRNGKey(0))
-    [spec] = LLMEngine(smollm.config, smollm.weights, DFlashProposer(dcfg, 8), dw, config).generate([ids], params)
-    assert spec.output_ids == ar.output_ids
+    ar, spec = plain_and_random_dflash(smollm.config, smollm.weights, ids, 24, 256)
+    assert spec == ar
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from specjax.model.gguf_file import dequantize
 from specjax.model.loader import load_model
 from specjax.model.quant import KERNEL_MAX_TOKENS, HostBlocks, QuantMatrix, matmul, to_device
 from specjax.sampling import SamplingParams
-from tests.helpers import FAMILIES, kernels_expected, random_prompt, write_gguf_from_hf
+from tests.helpers import FAMILIES, kernels_expected, plain_and_random_dflash, random_prompt, write_gguf_from_hf
 
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -125,18 +125,10 @@ def test_quantized_gguf_on_kernels_matches_xla(tiny_dirs, tmp_path, kernels, fam
 
 def test_speculative_decoding_on_kernels_is_lossless(tiny_dirs, tmp_path, kernels):
     """Verification (blocks of 8 on the kernels) against plain decoding (1 token), both on the kernels."""
-    from specjax.drafter.loader import drafter_config_for, init_drafter
-    from specjax.spec.proposer import DFlashProposer
-
     path = str(tmp_path / "llama-Q4_1.gguf")
     write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
     model = load_model(path, quant_kernels=True)
     assert model.quantized_kernels
-    ids = random_prompt(np.random.default_rng(4), 11)
-    config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
-    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    [ar] = LLMEngine(model.config, model.weights, config=config).generate([ids], params)
-    dcfg = drafter_config_for(model.config, num_layers=1, block_size=8)
-    dw = init_drafter(dcfg, jax.random.PRNGKey(0))
-    [spec] = LLMEngine(model.config, model.weights, DFlashProposer(dcfg, 8), dw, config).generate([ids], params)
-    assert spec.output_ids == ar.output_ids
+    ar, spec = plain_and_random_dflash(model.config, model.weights, random_prompt(np.random.default_rng(4), 11), 32,
+                                       128)
+    assert spec == ar

@@ -154,7 +154,7 @@ def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: st
     cfg = replace(cfg, tensor_parallel=mesh_size(mesh))
     reader = TensorReader(tensors, source)
     take = reader.take
-    blocks = blocks if kernels and mesh is None and dtype == jnp.float32 else {}
+    blocks = blocks or {}  # load_gguf passes blocks only where the kernels can run (one device, float32)
 
     def quantized(placed, names, rows=None):
         """`placed` (a device array) as a QuantMatrix when every named part has blocks of a kernel's format."""
