@@ -8,7 +8,7 @@ from specjax.cli import main
 def test_generate_with_random_drafter_prints_text_and_stats(tiny_dirs, tmp_path, capsys):
     drafter = str(tmp_path / "drafter")
     assert main(["init-drafter", "--target", tiny_dirs["qwen3"], "--out", drafter, "--layers", "1",
-                 "--block-size", "4", "--target-layer-ids", "0,2", "--mask-token-id", "299"]) == 0
+                 "--block-size", "8", "--target-layer-ids", "0,2", "--mask-token-id", "299"]) == 0
     assert "wrote a random DFlash drafter" in capsys.readouterr().out
     assert main(["generate", "hello there", "--model", tiny_dirs["qwen3"], "--drafter", drafter,
                  "--max-new-tokens", "12", "--max-model-len", "128", "--compile-cache", "", "--json"]) == 0
@@ -16,7 +16,8 @@ def test_generate_with_random_drafter_prints_text_and_stats(tiny_dirs, tmp_path,
     record = json.loads(out.strip().splitlines()[-1])
     assert record["method"] == "dflash" and record["new_tokens"] >= 1 and record["tau"] >= 1
     assert "tau (mean acceptance length, bonus counted)" in err and "acceptance histogram" in err
-    assert "dflash (block 4, K=3), adaptive K in (0, 1, 3)" in err
+    # the default: fixed K, capped at 3 on a CPU (a block of 8 could verify 7), nothing adaptive
+    assert "dflash (block 8, K=3) | load" in err and "adaptive" not in err
 
 
 def test_generate_plain_decoding_no_chat(tiny_dirs, capsys):
@@ -31,9 +32,12 @@ def test_generate_adaptive_k_gives_the_plain_decoding_text(tiny_dirs, tmp_path, 
                  "--block-size", "4", "--target-layer-ids", "0,2", "--mask-token-id", "299"]) == 0
     common = ["generate", "count with me", "--model", tiny_dirs["qwen3"], "--max-new-tokens", "16",
               "--max-model-len", "128", "--compile-cache", "", "--json"]
-    texts = []
+    texts, errs = [], []
     for extra in (["--method", "ar"], ["--drafter", drafter, "--adaptive-k"]):
         capsys.readouterr()
         assert main(common + extra) == 0
-        texts.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"])
+        out, err = capsys.readouterr()
+        texts.append(json.loads(out.strip().splitlines()[-1])["text"])
+        errs.append(err)
     assert texts[0] == texts[1]
+    assert "dflash (block 4, K=3), adaptive K in (0, 1, 3)" in errs[1]

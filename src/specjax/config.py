@@ -391,7 +391,8 @@ class EngineConfig:
     min_prefill_bucket: int = 16
     """Smallest prefill token bucket (buckets double up to prefill_chunk)."""
     num_draft_tokens: int | None = None
-    """Drafts verified per step (K); None = the proposer's maximum (block_size - 1 for DFlash)."""
+    """Drafts verified per step (K); None = the proposer's maximum (block_size - 1 for DFlash; the `LLM` class
+    picks a platform default for fixed-K DFlash instead, `llm.default_num_draft`)."""
     adaptive_k: bool = False
     """Choose K per step from k_options with a measured cost model (K = 0 = plain decoding)."""
     k_options: tuple[int, ...] | None = None

@@ -80,6 +80,17 @@ def build_proposer(method: str, target: LoadedModel, drafter: str | None, block_
     return DFlashProposer(cfg, block_size or cfg.block_size), weights
 
 
+CPU_FIXED_K = 3  # the best fixed K of the shipped drafter on the 2-core CPU (docs/results/bench-recipe7)
+
+
+def default_num_draft(max_draft: int, platform: str) -> int:
+    """DFlash drafts verified per step by a fixed-K engine when none is asked for.  On a CPU a verify step costs
+    more with every row (t(4) / t(1) = 1.42, t(8) / t(1) = 2.05 on the GGUF block kernels, docs/results/kflat.md):
+    K = 3 beat K = 2 and K = 7 there.  Accelerators verify a block of 16 for about the price of one token
+    (docs/results/accel.md): the drafter's whole block."""
+    return min(max_draft, CPU_FIXED_K) if platform == "cpu" else max_draft
+
+
 @dataclass
 class GenerationResult:
     prompt_token_ids: list[int]
@@ -122,6 +133,10 @@ class LLM:
             max_model_len=min(4096, self.target.config.max_position_embeddings))
         proposer, pweights = build_proposer(self.method, self.target, self.drafter_path, block_size,
                                             DTYPES[dtype], seed, engine_config.num_draft_tokens, ngram)
+        if self.method == "dflash" and engine_config.num_draft_tokens is None and not engine_config.adaptive_k:
+            platform = (self.target.mesh.devices.flat[0] if self.target.mesh is not None else jax.devices()[0]).platform
+            engine_config = dataclasses.replace(
+                engine_config, num_draft_tokens=default_num_draft(proposer.max_draft_tokens, platform))
         tok = self.target.tokenizer
         eos = list(self.target.config.eos_token_ids)
         if tok is not None and tok.token_id(tok.eos_token) is not None:

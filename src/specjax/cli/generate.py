@@ -125,12 +125,13 @@ def register(sub) -> None:
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the model's chat template (default on)")
     g.add_argument("--warmup", default="background", choices=["background", "all", "none"],
-                   help="background (default): compile what the first steps need, then start, compiling the other "
-                        "step shapes on a second thread (steps wait for or pad up to ready shapes); all: compile "
-                        "every shape first (steady timings); none: compile each shape when first used")
-    g.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
-                   help="choose K per step from (0, K/2, K) with the measured cost model, as `serve` does: "
-                        "speculation turns itself off where it does not pay (default on; --no-adaptive-k = fixed K)")
+                   help="background (default): compile the prefill, then start it while a second thread compiles "
+                        "the decode program (one per K, as wide as this request grows); all: compile every shape "
+                        "first, at each page width (steady timings); none: compile each shape when first used")
+    g.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False,
+                   help="choose K per step from (0, K/4, K/2, K) with the measured cost model, as `serve` does "
+                        "(default off: one request cannot repay compiling and timing every K; fixed K is "
+                        "--num-draft-tokens, by default 3 on CPU and the drafter's whole block elsewhere)")
     g.add_argument("--json", action="store_true", help="also print one JSON line with the measurements")
     g.set_defaults(func=cmd_generate)
 

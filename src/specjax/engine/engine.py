@@ -116,6 +116,11 @@ class LLMEngine:
         self.pstate = zeros_like_tree(lambda: self.proposer.init_state(config.pool_pages, config.page_size, dtype),
                                       mesh, PartitionSpec())
         self._inputs_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())  # host inputs
+        # Step programs are built from these specs, never from the live arrays: a background build must not read
+        # self.kv while a step donates it (the caches are replaced, not resized: the specs never change).
+        self._state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                        (self.tweights, self.kv, self.pweights, self.pstate))
+        self._inputs_placement = self._inputs_sharding or SingleDeviceSharding(self.kv.k[0].device)
         self.batch_buckets = pow2_buckets(1, config.max_num_seqs)
         self.prefill_batch_buckets = pow2_buckets(1, min(config.max_prefill_seqs, config.max_num_seqs))
         self.page_buckets = pow2_buckets(1, config.max_pages_per_seq, config.page_bucket_factor)
@@ -133,6 +138,7 @@ class LLMEngine:
         self.record_drafts = record_drafts
         self.programs = StepPrograms(self._build_program)
         self._cost_shape: dict[tuple[int, int, int], StepShape] = {}  # controller cost key -> shape last timed
+        self.min_decode_pages = 1  # decode page tables are at least this wide (set by a background warm-up)
 
     def memory_bytes(self) -> dict[str, dict[str, int]]:
         """Device bytes by part and device: {"weights" (target), "drafter" (arrays not shared with the target),
@@ -199,12 +205,12 @@ class LLMEngine:
         self.last_decode = []
         self._admit()
         outputs = []
+        decoding = {s.seq_id for s in self.running if not s.is_prefilling}
         prefilling = [s for s in self.running if s.is_prefilling][: self.config.max_prefill_seqs]
         if prefilling:
             outputs += self._prefill(prefilling)
-        decoding = [s for s in self.running if not s.is_prefilling]
-        if decoding:
-            outputs += self._decode()
+        if decoding:  # a request whose prefill just ended decodes from the next step: its first token is out now
+            outputs += self._decode(decoding)
         if not outputs and not prefilling and self.waiting and not self.running:
             raise RuntimeError("waiting requests cannot be admitted although nothing is running (pool too small)")
         return outputs
@@ -235,12 +241,9 @@ class LLMEngine:
     def _build_program(self, shape: StepShape):
         """Compile one step shape and the commit of its rows -> (step, commit), both AOT-compiled executables
         (the persistent compile cache applies)."""
-        def spec(tree, sharding=None):
-            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding),
-                                tree)
-
-        state = spec((self.tweights, self.kv, self.pweights, self.pstate))
-        args = spec(self._step_args(shape), self._inputs_sharding or SingleDeviceSharding(self.kv.k[0].device))
+        state = self._state_spec
+        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._inputs_placement),
+                            self._step_args(shape))
         if shape.kind == "prefill":
             step = runner.prefill_step.lower(*state, *args, tcfg=self.tcfg, proposer=self.proposer,
                                              mode=shape.mode).compile()
@@ -281,7 +284,10 @@ class LLMEngine:
     def warmup(self, prompt_lens, total_len: int, batch_sizes=(1,), modes=(GREEDY,), progress=None,
                background: bool = False) -> int:
         """Compile the step shapes requests with prompts of `prompt_lens` (an int or a list) growing to
-        `total_len` tokens will use (see _warm for `background` and `progress`).  Returns the shapes compiled now."""
+        `total_len` tokens will use (see _warm for `background` and `progress`).  Returns the shapes compiled now.
+        With `background`, decode steps run at the widest page table these requests reach (one program per K, not
+        one per page bucket and K), and those programs are queued for the background thread at once: they compile
+        while the first prefill runs, and nothing compiles while the requests decode."""
         prompt_lens = [prompt_lens] if isinstance(prompt_lens, int) else list(prompt_lens)
         total_len = min(total_len, self.config.max_model_len)
         chunk = self.config.prefill_chunk
@@ -291,8 +297,15 @@ class LLMEngine:
                         for n in range(min(prompt_lens) + 1, total_len + 1) for k in self.k_options}
         # background: one prefill program, as wide as these prompts need (a narrow page table is a faster first token)
         prefill_pages = self._pages_bucket(max(prompt_lens)) if background else None
-        return self._warm(sorted(prefill_t), sorted(decode_pages), batch_sizes, modes, progress, background,
-                          prefill_pages)
+        if background:  # decode at the widest page table these requests reach: one program per K, not per bucket
+            self.min_decode_pages = max(decode_pages)
+        n = self._warm(sorted(prefill_t), sorted(decode_pages), batch_sizes, modes, progress, background,
+                       prefill_pages)
+        if background and self.programs.on_demand:  # the decode programs compile while the prefill runs
+            b = pick_bucket(max(batch_sizes), self.batch_buckets)
+            self.programs.prefetch(StepShape("decode", b, k, self.min_decode_pages, m) for m in modes
+                                   for k in self.k_options)  # in the order the K controller first tries them
+        return n
 
     def warmup_all(self, modes=(GREEDY,), progress=None, background: bool = False) -> int:
         """Compile every shape this engine can produce (server start-up): no compilation after this (with
@@ -456,26 +469,27 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------------------------------------ decode
-    def _decode(self) -> list[StepOutput]:
-        for seq in [s for s in self.running if not s.is_prefilling]:
+    def _decode(self, seq_ids: set[int]) -> list[StepOutput]:
+        for seq in [s for s in self.running if s.seq_id in seq_ids]:
             if seq in self.running:
                 self._grow_or_preempt(seq, self._step_tokens(seq))
-        seqs = [s for s in self.running if not s.is_prefilling]
+        seqs = [s for s in self.running if s.seq_id in seq_ids]
         if not seqs:
             return []
         b = pick_bucket(len(seqs), self.batch_buckets)
         mode = sampler_mode([s.params for s in seqs])
         # Pages are reserved for the largest K (_step_tokens), but a step gathers only those its K reaches.
         longest = max(s.num_tokens for s in seqs)
-        pages = {k: self._pages_bucket(min(longest + k, self.config.max_model_len)) for k in self.k_options}
+        pages = {k: max(self.min_decode_pages, self._pages_bucket(min(longest + k, self.config.max_model_len)))
+                 for k in self.k_options}
         options = self.k_options
         if self.programs.on_demand:  # choose among the K with a ready program; the others compile meanwhile
             needs = {k: StepShape("decode", b, k, pages[k], mode) for k in self.k_options}
             options = tuple(k for k in self.k_options if self.programs.find(needs[k])) or self.k_options
             self.programs.request(needs[k] for k in self.k_options if k not in options)
             # ... and the page bucket the batch grows into within COMPILE_AHEAD tokens, before it gets there
-            self.programs.request(StepShape("decode", b, k, self._pages_bucket(
-                min(longest + k + COMPILE_AHEAD, self.config.max_model_len)), mode) for k in options)
+            self.programs.request(StepShape("decode", b, k, max(self.min_decode_pages, self._pages_bucket(
+                min(longest + k + COMPILE_AHEAD, self.config.max_model_len))), mode) for k in options)
         if self.controller is not None:
             k = self.controller.choose(b, len(seqs), pages, options)
         else:
