@@ -29,6 +29,7 @@ class Prompt:
     id: str
     dataset: str
     turns: list[str] = field(default_factory=list)  # user turns (mt_bench has two; the rest one)
+    reference: str | None = None  # the source's own answer (training prompts), not the target's
 
 
 def default_data_dir() -> str | None:
@@ -130,15 +131,16 @@ def load_train_prompts(sources=TRAIN_SOURCES, data_dir: str | None = None, share
     for source in sources:
         if source == "gsm8k_train":
             rows = read_jsonl(os.path.join(data_dir, "gsm8k_train.jsonl"))
-            prompts = [Prompt(f"gsm8k_train/{i}", source, [r["question"] + MATH_SUFFIX]) for i, r in enumerate(rows)]
+            prompts = [Prompt(f"gsm8k_train/{i}", source, [r["question"] + MATH_SUFFIX], r["answer"])
+                       for i, r in enumerate(rows)]
         elif source == "mbpp_train":
             rows = read_jsonl(os.path.join(data_dir, "mbpp.jsonl"))
-            prompts = [Prompt(f"mbpp/{r['task_id']}", source, [mbpp_prompt(r)]) for r in rows
+            prompts = [Prompt(f"mbpp/{r['task_id']}", source, [mbpp_prompt(r)], r["code"]) for r in rows
                        if r["task_id"] not in MBPP_TEST_IDS]
         elif source == "codealpaca":
             rows = read_jsonl(os.path.join(data_dir, "codealpaca_train.jsonl"))
             prompts = [Prompt(f"codealpaca/{i}", source,
-                              [r["instruction"] + (f"\n{r['input']}" if r.get("input") else "")])
+                              [r["instruction"] + (f"\n{r['input']}" if r.get("input") else "")], r["output"])
                        for i, r in enumerate(rows)]
         elif source == "sharegpt":
             path = sharegpt_file or sharegpt_path()
@@ -149,7 +151,9 @@ def load_train_prompts(sources=TRAIN_SOURCES, data_dir: str | None = None, share
             for rec in recover_sharegpt(path):
                 conv = rec.get("conversations") or []
                 if conv and conv[0].get("from") == "human" and 0 < len(conv[0].get("value", "")) <= max_prompt_chars:
-                    prompts.append(Prompt(f"sharegpt/{rec.get('id', len(prompts))}", source, [conv[0]["value"]]))
+                    answer = conv[1].get("value") if len(conv) > 1 and conv[1].get("from") == "gpt" else None
+                    prompts.append(Prompt(f"sharegpt/{rec.get('id', len(prompts))}", source, [conv[0]["value"]],
+                                          answer or None))
         else:
             raise DatasetError(f"unknown training source {source!r} (choose from {', '.join(TRAIN_SOURCES)})")
         out.extend(prompts[:max_per_source] if max_per_source else prompts)

@@ -1,5 +1,6 @@
 """Token store crash safety, target regeneration resume, and the train-drafter CLI (with --resume)."""
 
+import itertools
 import json
 import os
 
@@ -217,3 +218,62 @@ def test_train_drafter_draft_vocab_simulated_tau_init_and_time_limit(tiny_dirs, 
     out3, _ = run_cli(common[:9] + ["--target-layer-ids", "2"] + common[11:] + [
         "--out", out + "3", "--steps", "2", "--init-target-layers", "3", "--draft-vocab-size", "0"])
     assert json.loads(out3.strip().splitlines()[-1])["steps"] == 2
+
+
+def test_reference_answers_store_like_regenerated_ones_and_merge_with_their_features(tiny_dirs, tmp_path):
+    """`regenerate --answers reference`: the prompt encoded as the target's regeneration encodes it, then the
+    source's answer and EOS (cut at max_new_tokens: "length"); resumable, bounded by max_tokens.  Then two stores
+    and their feature caches merge into one pair that serves the same rows."""
+    from specjax.model.loader import load_model
+    from specjax.train.features import build_feature_cache
+    from specjax.train.merge import merge_stores
+    from specjax.train.regen import store_references
+
+    assert all(p.reference for p in load_train_prompts(["gsm8k_train"])[:50])  # every source has its answers
+    target = load_model(tiny_dirs["qwen3"])
+    tok, eos = target.tokenizer, target.config.eos_token_ids[0]
+    prompts = [Prompt(f"q{i}", "toy", [f"question {i}"], "answer " * (i + 1)) for i in range(6)]
+    prompts.append(Prompt("none", "toy", ["no answer"]))
+    store = TokenStore(str(tmp_path / "ref"), 300)
+    stats = store_references(tok, prompts[:2], store, max_new_tokens=4, eos_token_id=eos)
+    assert stats["stored"] == 2
+    store = TokenStore(str(tmp_path / "ref"))  # reopened: resumes, skips what it holds and prompts with no answer
+    stats = store_references(tok, prompts, store, max_new_tokens=4, eos_token_id=eos)
+    assert stats == {**stats, "stored": 4, "skipped": 1} and len(store) == 6
+    for (rec, toks), p in zip(store.sequences(), prompts):
+        ids = tok.encode_chat([{"role": "user", "content": p.turns[0]}])
+        answer = tok.encode(p.reference, add_special_tokens=False)
+        assert list(toks[:rec["prompt_len"]]) == ids
+        want = answer[:4] if len(answer) >= 4 else answer + [eos]
+        assert list(toks[rec["prompt_len"]:]) == want and rec["finish"] == ("length" if len(answer) >= 4 else "stop")
+    capped = TokenStore(str(tmp_path / "capped"), 300)
+    store_references(tok, prompts, capped, max_new_tokens=4, eos_token_id=eos, max_tokens=1)
+    assert len(capped) == 1
+    other = TokenStore(str(tmp_path / "other"), 300)
+    other.append("x", "toy", np.arange(3, 40), 5, "length")
+    taps = (1, 3)
+    for name, s in (("ref", store), ("other", other)):
+        build_feature_cache(target, s, str(tmp_path / f"f-{name}"), taps, max_len=32, batch_tokens=128)
+    merged, cache = merge_stores([(store.path, str(tmp_path / "f-ref")), (other.path, str(tmp_path / "f-other"))],
+                                 str(tmp_path / "mix"), str(tmp_path / "f-mix"))
+    assert [r["id"] for r in merged.index] == [r["id"] for r in store.index] + ["x"]
+    assert [list(t) for _, t in merged.sequences()] == [list(t) for s in (store, other) for _, t in s.sequences()]
+    from specjax.train.features import FeatureCache
+    parts = FeatureCache(str(tmp_path / "f-ref")), FeatureCache(str(tmp_path / "f-other"))
+    np.testing.assert_array_equal(cache.batch([1, 6], 40, taps)[0], parts[0].batch([1], 40, taps)[0])
+    np.testing.assert_array_equal(cache.batch([1, 6], 40, taps)[1], parts[1].batch([0], 40, taps)[0])
+    with pytest.raises(ValueError, match="exists"):
+        merge_stores([(store.path, str(tmp_path / "f-ref"))], str(tmp_path / "mix"), str(tmp_path / "f-new"))
+    with pytest.raises(ValueError, match="more than one store"):
+        merge_stores([(store.path, str(tmp_path / "f-ref"))] * 2, str(tmp_path / "m2"), str(tmp_path / "f-m2"))
+    # keep_first: a store whose first sequence the other already holds contributes only the rest, rows included
+    tail = TokenStore(str(tmp_path / "tail"), 300)
+    for rec, toks in itertools.islice(store.sequences(), 4, None):
+        tail.append(rec["id"], rec["source"], toks, rec["prompt_len"], rec["finish"])
+    tail.append("y", "toy", np.arange(5, 30), 5, "length")
+    build_feature_cache(target, tail, str(tmp_path / "f-tail"), taps, max_len=32, batch_tokens=128)
+    both, bcache = merge_stores([(store.path, str(tmp_path / "f-ref")), (tail.path, str(tmp_path / "f-tail"))],
+                                str(tmp_path / "m3"), str(tmp_path / "f-m3"), keep_first=True)
+    assert [r["id"] for r in both.index] == [r["id"] for r in store.index] + ["y"]
+    np.testing.assert_array_equal(bcache.batch([5, 6], 40, taps), np.concatenate(
+        [parts[0].batch([5], 40, taps), FeatureCache(str(tmp_path / "f-tail")).batch([2], 40, taps)]))

@@ -18,10 +18,12 @@ def cmd_regenerate(args) -> int:
     from specjax.config import EngineConfig
     from specjax.datasets import load_heldout, load_train_prompts
     from specjax.llm import LLM
-    from specjax.train.regen import regenerate
+    from specjax.train.regen import regenerate, store_references
     from specjax.train.store import TokenStore
 
     enable_compile_cache(args.compile_cache)
+    if args.answers == "reference" and args.temperature:
+        raise SystemExit("error: --answers reference stores the sources' answers: --temperature does not apply")
     llm = LLM(args.target, method="ar", engine_config=EngineConfig(
         max_model_len=args.max_prompt_tokens + args.max_new_tokens + 1, max_num_seqs=args.batch_size,
         page_size=16, prefill_chunk=256))
@@ -39,10 +41,20 @@ def cmd_regenerate(args) -> int:
     # Interleave sources so that an interrupted run still holds a mix of math, code and chat.
     pools = [lst[:limits.get(s, len(lst))] for s, lst in by_source.items()]
     mixed = [p for group in itertools.zip_longest(*pools) for p in group if p is not None]
-    store = TokenStore(args.out, llm.target.config.vocab_size, meta={
-        "target": llm.target.source, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "sources": sources})
-    todo = [p for p in mixed if p.id not in store.ids]
+    meta = {"target": llm.target.source, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "sources": sources, "answers": args.answers}
+    store = TokenStore(args.out, llm.target.config.vocab_size, meta=meta)
+    if store.meta.get("answers", "target") != args.answers:
+        raise SystemExit(f"error: {args.out} holds {store.meta.get('answers', 'target')} answers, not {args.answers}")
+    exclude = set(TokenStore(args.exclude).ids) if args.exclude else set()
+    todo = [p for p in mixed if p.id not in store.ids and p.id not in exclude]
+    if args.answers == "reference":
+        if any(s.startswith("heldout:") for s in sources):
+            raise SystemExit("error: --answers reference is for training sources (held-out prompts have none)")
+        stats = store_references(llm.tokenizer, todo, store, args.max_new_tokens, llm.target.config.eos_token_ids[0],
+                                 args.max_prompt_tokens, args.max_tokens)
+        print(json.dumps(stats))
+        return 0
     print(f"{len(store)} sequences already stored; {len(todo)} prompts to answer", file=sys.stderr)
     bar = tqdm(total=len(todo), unit="seq", dynamic_ncols=True)
 
@@ -230,6 +242,14 @@ def register(sub) -> None:
     r.add_argument("--max-new-tokens", type=int, default=320)
     r.add_argument("--max-prompt-tokens", type=int, default=384)
     r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--answers", default="target", choices=["target", "reference"],
+                   help="target (default): the target answers each prompt; reference: store the source's own answer "
+                        "instead (no decoding; for a prefill-only feature pass over existing text)")
+    r.add_argument("--max-tokens", type=int, default=None,
+                   help="--answers reference: stop once the store holds this many tokens")
+    r.add_argument("--exclude", default=None, help="skip the prompts this token store holds (e.g. --answers "
+                                                   "reference --exclude data/regen-smollm2: more prompts, not the "
+                                                   "same ones answered twice)")
     r.add_argument("--batch-size", type=int, default=8)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--compile-cache", default=DEFAULT_CACHE)

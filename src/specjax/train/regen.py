@@ -1,4 +1,5 @@
-"""Regenerate training responses with the TARGET itself (batched, through the real engine), resumably.
+"""Regenerate training responses with the TARGET itself (batched, through the real engine), resumably; or store the
+sources' own reference answers instead (no model run: data for a prefill-only feature pass).
 
 DFlash drafters are trained on the target's own outputs ("for better target alignment", paper §4.2).  Every
 finished request is written to the TokenStore at once, so a crash or Ctrl-C loses only the requests in flight.
@@ -47,4 +48,28 @@ def regenerate(llm, prompts: list[Prompt], store: TokenStore, max_new_tokens: in
     elapsed = time.perf_counter() - t0
     return {"generated": done, "skipped_long_prompts": skipped, "new_tokens": new_tokens, "seconds": elapsed,
             "tokens_per_s": new_tokens / max(elapsed, 1e-9), "stored_sequences": len(store),
+            "stored_tokens": store.num_tokens}
+
+
+def store_references(tokenizer, prompts: list[Prompt], store: TokenStore, max_new_tokens: int, eos_token_id: int,
+                     max_prompt_tokens: int = 512, max_tokens: int | None = None) -> dict:
+    """Store each prompt (chat-formatted, as `regenerate` writes it) followed by the source's reference answer
+    (at most `max_new_tokens`, then EOS as the target ends its turns) until the store holds `max_tokens`."""
+    added = skipped = new_tokens = 0
+    for p in prompts:
+        if max_tokens is not None and store.num_tokens >= max_tokens:
+            break
+        if p.id in store.ids:
+            continue
+        ids = tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}])
+        answer = tokenizer.encode(p.reference or "", add_special_tokens=False)
+        if not answer or len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        finish = "length" if len(answer) >= max_new_tokens else "stop"
+        answer = answer[:max_new_tokens] if finish == "length" else answer + [eos_token_id]
+        store.append(p.id, p.dataset, ids + answer, len(ids), finish)
+        added += 1
+        new_tokens += len(answer)
+    return {"stored": added, "skipped": skipped, "new_tokens": new_tokens, "stored_sequences": len(store),
             "stored_tokens": store.num_tokens}
