@@ -20,25 +20,6 @@ import tempfile
 import jax
 
 
-def capture_step(model, q: int, context: int):
-    """The decode-step closure verify_costs builds for q tokens (captured from its timing helper)."""
-    from specjax.bench import kflat
-
-    steps = []
-    timer = kflat.time_call
-
-    def grab(fn, repeats, warmup=2):
-        steps.append(fn)
-        return timer(fn, repeats, warmup)
-
-    kflat.time_call = grab
-    try:
-        kflat.verify_costs(model.config, model.weights, [q], context, repeats=1)
-    finally:
-        kflat.time_call = timer
-    return steps[0]
-
-
 def by_kind(trace_dir: str, steps: int) -> list[tuple[str, float, float, float]]:
     """(kind, ms per step, share, thunks per step) over the XLA worker threads of the trace, largest first."""
     [path] = glob.glob(f"{trace_dir}/plugins/profile/*/*.trace.json.gz")[-1:]
@@ -69,9 +50,11 @@ def main() -> None:
     p.add_argument("--out", default=None, help="keep the trace here (default: a temporary directory)")
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args()
+    from specjax.bench.kflat import verify_steps
     from specjax.model.loader import load_model
 
-    step = capture_step(load_model(args.model, quant_kernels=args.quant_kernels), args.q, args.context)
+    model = load_model(args.model, quant_kernels=args.quant_kernels)
+    step = verify_steps(model.config, model.weights, [args.q], args.context)[args.q]
     for _ in range(3):
         jax.block_until_ready(step())
     with tempfile.TemporaryDirectory() as tmp:

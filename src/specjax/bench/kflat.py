@@ -39,6 +39,27 @@ def verify_costs(tcfg, tweights, qs, context_len: int, repeats: int = 15, batch:
     With no proposer the step verifies q - 1 zero drafts (the verify cost alone); with a device proposer
     (DFlashProposer) it is the whole speculative step: the drafter proposes q - 1 tokens, the target verifies
     them, and both caches are committed."""
+    steps = verify_steps(tcfg, tweights, qs, context_len, batch, page_size, proposer, pweights)
+    for q in qs:  # compile and warm up every q first ...
+        time_call(steps[q], 0)
+    times = {q: [] for q in qs}
+    for _ in range(repeats):  # ... then time them round-robin, so every q sees the same machine (a shared VM drifts)
+        for q in qs:
+            times[q] += time_call(steps[q], 1, warmup=0)
+    results = [{"q": q, "median_s": statistics.median(times[q]), "min_s": min(times[q]),
+                "p90_s": float(np.quantile(times[q], 0.9)), "repeats": repeats} for q in qs]
+    base = results[0]["median_s"]
+    for r in results:
+        r["ratio"] = r["median_s"] / base
+        if progress:
+            progress(r)
+    return results
+
+
+def verify_steps(tcfg, tweights, qs, context_len: int, batch: int = 1, page_size: int = 16, proposer=None,
+                 pweights=None) -> dict:
+    """{q: step()} for verify_costs (and scripts/profile_step.py): each call runs one decode step of q tokens per
+    sequence over its own KV pool and commits it; returns the accepted counts (block on them to time it)."""
     proposer = proposer or NoProposer()
     if pweights is not None and hasattr(proposer, "prepare"):
         pweights = proposer.prepare(pweights, tweights)
@@ -67,21 +88,7 @@ def verify_costs(tcfg, tweights, qs, context_len: int, repeats: int = 15, batch:
 
         return step
 
-    steps = {q: make_step(q) for q in qs}
-    for q in qs:  # compile and warm up every q first ...
-        time_call(steps[q], 0)
-    times = {q: [] for q in qs}
-    for _ in range(repeats):  # ... then time them round-robin, so every q sees the same machine (a shared VM drifts)
-        for q in qs:
-            times[q] += time_call(steps[q], 1, warmup=0)
-    results = [{"q": q, "median_s": statistics.median(times[q]), "min_s": min(times[q]),
-                "p90_s": float(np.quantile(times[q], 0.9)), "repeats": repeats} for q in qs]
-    base = results[0]["median_s"]
-    for r in results:
-        r["ratio"] = r["median_s"] / base
-        if progress:
-            progress(r)
-    return results
+    return {q: make_step(q) for q in qs}
 
 
 def draft_costs(proposer, pweights, tweights, context_len: int, block_sizes, repeats: int = 15,

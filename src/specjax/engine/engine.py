@@ -469,6 +469,10 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------------------------------------ decode
+    def _decode_pages(self, num_tokens: int) -> int:
+        """Page-table width of a decode step reaching `num_tokens` (at least `min_decode_pages`)."""
+        return max(self.min_decode_pages, self._pages_bucket(min(num_tokens, self.config.max_model_len)))
+
     def _decode(self, seq_ids: set[int]) -> list[StepOutput]:
         for seq in [s for s in self.running if s.seq_id in seq_ids]:
             if seq in self.running:
@@ -480,16 +484,15 @@ class LLMEngine:
         mode = sampler_mode([s.params for s in seqs])
         # Pages are reserved for the largest K (_step_tokens), but a step gathers only those its K reaches.
         longest = max(s.num_tokens for s in seqs)
-        pages = {k: max(self.min_decode_pages, self._pages_bucket(min(longest + k, self.config.max_model_len)))
-                 for k in self.k_options}
+        pages = {k: self._decode_pages(longest + k) for k in self.k_options}
         options = self.k_options
         if self.programs.on_demand:  # choose among the K with a ready program; the others compile meanwhile
             needs = {k: StepShape("decode", b, k, pages[k], mode) for k in self.k_options}
             options = tuple(k for k in self.k_options if self.programs.find(needs[k])) or self.k_options
             self.programs.request(needs[k] for k in self.k_options if k not in options)
             # ... and the page bucket the batch grows into within COMPILE_AHEAD tokens, before it gets there
-            self.programs.request(StepShape("decode", b, k, max(self.min_decode_pages, self._pages_bucket(
-                min(longest + k + COMPILE_AHEAD, self.config.max_model_len))), mode) for k in options)
+            self.programs.request(StepShape("decode", b, k, self._decode_pages(longest + k + COMPILE_AHEAD), mode)
+                                  for k in options)
         if self.controller is not None:
             k = self.controller.choose(b, len(seqs), pages, options)
         else:

@@ -63,13 +63,17 @@ class FeatureCache:
             raise ValueError(f"feature cache holds the first {self.max_len} tokens per sequence, "
                              f"training asks for max_len={max_len}")
 
+    def rows(self, i: int) -> np.ndarray:
+        """Sequence i's cached rows, [length, num_taps, hidden] float16 (a view of the file)."""
+        return self._data[self.offsets[i]:self.offsets[i] + self.lengths[i]]
+
     def batch(self, seq_indices, width: int, tap_indices) -> np.ndarray:
         """Taps [len(seq_indices), width, len(tap_indices) * hidden] float32, zero past each sequence."""
         cols = [self.tap_indices.index(i) for i in tap_indices]
         out = np.zeros((len(seq_indices), width, len(cols), self.hidden), np.float32)
         for r, i in enumerate(seq_indices):
             n = min(int(self.lengths[i]), width)
-            out[r, :n] = self._data[self.offsets[i]:self.offsets[i] + n][:, cols]
+            out[r, :n] = self.rows(i)[:n, cols]
         return out.reshape(len(seq_indices), width, -1)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 from specjax.train.features import FeatureCache
 from specjax.train.store import TokenStore
@@ -30,10 +29,13 @@ def merge_stores(pairs: list[tuple[str, str]], out_store: str, out_features: str
         raise ValueError(f"the stores hold different vocabularies {sorted(vocab)}")
     seen, keep = set(), []  # per store: the indices of the sequences kept
     for store, _ in opened:
-        dup = [i for i, r in enumerate(store.index) if r["id"] in seen]
-        if dup and not keep_first:
-            raise ValueError(f"sequence {store.index[dup[0]]['id']} is in more than one store")
-        keep.append([i for i, r in enumerate(store.index) if r["id"] not in seen])
+        kept = []
+        for i, r in enumerate(store.index):
+            if r["id"] not in seen:
+                kept.append(i)
+            elif not keep_first:
+                raise ValueError(f"sequence {r['id']} is in more than one store")
+        keep.append(kept)
         seen |= store.ids
     out = TokenStore(out_store, vocab.pop(), meta={"merged_from": [s.path for s, _ in opened],
                                                    "parts": [s.meta for s, _ in opened]})
@@ -45,12 +47,8 @@ def merge_stores(pairs: list[tuple[str, str]], out_store: str, out_features: str
     os.makedirs(out_features)
     with open(os.path.join(out_features, "features.f16"), "wb") as dst:
         for (_, cache), kept in zip(opened, keep):
-            if len(kept) == len(cache.lengths):  # all of it: one stream
-                with open(os.path.join(cache.path, "features.f16"), "rb") as src:
-                    shutil.copyfileobj(src, dst, 64 << 20)
-                continue
             for i in kept:
-                dst.write(cache._data[cache.offsets[i]:cache.offsets[i] + cache.lengths[i]].tobytes())
+                dst.write(cache.rows(i).tobytes())
     lengths = [int(cache.lengths[i]) for (_, cache), kept in zip(opened, keep) for i in kept]
     meta = {**first.meta, "store": out.path, "store_tokens": out.num_tokens, "lengths": lengths,
             "done": len(lengths), "merged_from": [c.path for _, c in opened]}
