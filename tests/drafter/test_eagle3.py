@@ -107,6 +107,51 @@ def test_ttt_rows_equal_the_teacher_forced_inference_chain(setup):
             np.testing.assert_allclose(logits[k][p], ref[k], atol=2e-4, rtol=1e-4, err_msg=f"p={p} k={k}")
 
 
+def test_ttt_acceptance_equals_leading_matches_of_the_inference_chain(setup):
+    """Simulated acceptance (held-out tau during training) at every anchor == the leading drafts of the numpy
+    inference chain that equal the true continuation; one anchor is rigged to accept exactly 2 of 3."""
+    import jax.numpy as jnp
+
+    from specjax.train.eagle3_objective import ttt_acceptance
+
+    target, cfg, weights, _ = setup
+    steps, a0 = 3, 9
+    rng = np.random.default_rng(10)
+    seqs = [random_prompt(rng, 22), random_prompt(rng, 15)]
+    _, taps0 = full_forward(target.weights, target.config, seqs[0], cfg.hidden_state_indices)
+    drafts = eagle3_numpy.draft(weights, cfg, target.weights.embed, np.asarray(taps0), seqs[0][:a0 + 1], steps)
+    seqs[0][a0 + 1:a0 + 3] = drafts[:2]  # taps before a0 (all the chain reads) are unchanged by this
+    seqs[0][a0 + 3] = (drafts[2] + 1) % 300
+    tokens = np.zeros((2, 24), np.int32)
+    taps = np.zeros((2, 24, taps0.shape[-1]), np.float32)
+    mask = np.zeros((2, 24), bool)
+    for i, t in enumerate(seqs):
+        tokens[i, :len(t)] = t
+        taps[i, :len(t)] = np.asarray(full_forward(target.weights, target.config, t, cfg.hidden_state_indices)[1])
+        mask[i, 4:len(t)] = True
+    lengths = np.array([len(t) for t in seqs], np.int32)
+    anchors = np.zeros((2, 20), np.int32)
+    keep = np.zeros((2, 20), bool)
+    for i, n in enumerate(lengths):
+        valid = np.arange(4, n - steps)  # a <= length - (steps + 1)
+        anchors[i, :len(valid)], keep[i, :len(valid)] = valid, True
+    t2d = -np.ones(300, np.int32)
+    t2d[np.arange(120) + np.asarray(weights.d2t)] = np.arange(120)
+    accepted, counted = (np.asarray(x) for x in ttt_acceptance(
+        weights, cfg, target.weights.embed, jnp.asarray(tokens), jnp.asarray(taps), jnp.asarray(mask),
+        jnp.asarray(lengths), jnp.asarray(anchors), jnp.asarray(keep), jnp.asarray(t2d), steps))
+    np.testing.assert_array_equal(counted, keep)
+    assert accepted[0, list(anchors[0]).index(a0)] == 2
+    for i, t in enumerate(seqs):
+        for j in np.nonzero(keep[i])[0]:
+            a = int(anchors[i, j])
+            ref = eagle3_numpy.draft(weights, cfg, target.weights.embed, taps[i], t[:a + 1], steps)
+            n = 0
+            while n < steps and ref[n] == t[a + 1 + n]:
+                n += 1
+            assert accepted[i, j] == n, f"seq {i} anchor {a}"
+
+
 def test_ttt_loss_decreases(setup):
     import jax.numpy as jnp
 

@@ -90,3 +90,26 @@ def ttt_loss(w: Eagle3Weights, cfg: Eagle3Config, embed, tokens, taps, loss_mask
         accs.append(((jnp.argmax(logits, -1) == label_idx) * vf).sum() / jnp.maximum(vf.sum(), 1.0))
     norm = sum(decay ** k for k in range(steps))
     return total / norm, {"acc": accs[0], "acc_per_slot": jnp.stack(accs)}
+
+
+def ttt_acceptance(w: Eagle3Weights, cfg: Eagle3Config, embed, tokens, taps, loss_mask, lengths, anchors, keep,
+                   target_to_draft, steps: int):
+    """Teacher-forced acceptance of the EAGLE-3 chain, the counterpart of DFlash's `simulated_acceptance`.
+
+    At anchor a (x[a] the bonus token, target taps through a - 1) the inference chain's step k is TTT row
+    (a - 1 + k, k) and drafts x[a + 1 + k]; while the drafts match, the tokens it was fed are the true ones, so
+    the leading matches are what verification would accept.  -> (accepted [Bt, N] int32, counted [Bt, N] bool:
+    anchors whose `steps` drafts all fall inside the response)."""
+    bt, s = tokens.shape
+    preds = jnp.stack([jnp.argmax(x, -1) for x in ttt_logits(w, cfg, embed, tokens, taps, steps)], -1)
+    k = jnp.arange(steps)[None, None, :]
+    rows = anchors[:, :, None] - 1 + k  # [Bt, N, steps]: the TTT row of chain step k
+    label_pos = anchors[:, :, None] + 1 + k
+    inside = (label_pos < lengths[:, None, None]) & (rows >= 0) & keep[..., None]
+    flat = (jnp.clip(rows, 0, s - 1) * steps + k).reshape(bt, -1)
+    pred = jnp.take_along_axis(preds.reshape(bt, -1), flat, axis=1).reshape(rows.shape)
+    safe = jnp.where(label_pos < s, label_pos, 0).reshape(bt, -1)
+    labels = jnp.take_along_axis(tokens, safe, axis=1).reshape(rows.shape)
+    resp = jnp.take_along_axis(loss_mask, safe, axis=1).reshape(rows.shape) & inside
+    hit = (pred == target_to_draft[labels]) & resp
+    return jnp.cumprod(hit.astype(jnp.int32), axis=-1).sum(-1), resp.all(-1)

@@ -329,6 +329,13 @@ class Eagle3Method:
         embed, t2d = consts
         return ttt_loss(params, self.ecfg, embed, tokens, taps, mask, lengths, t2d, self.ttt_steps)
 
+    def simulate(self, params, consts, tokens, taps, mask, lengths, anchors, keep):
+        from specjax.train.eagle3_objective import ttt_acceptance
+
+        embed, t2d = consts
+        return ttt_acceptance(params, self.ecfg, embed, tokens, taps, mask, lengths, anchors, keep, t2d,
+                              self.ttt_steps)
+
     def full(self, params):
         return dataclasses.replace(params, d2t=self.d2t() if len(self.draft_ids) < self.ecfg.vocab_size else None)
 
