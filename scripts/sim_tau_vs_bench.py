@@ -4,9 +4,10 @@ The bench's plain-decoding outputs are the target's greedy answers to the bench 
 answers with the same drafter, the every-anchor tau reads high (block starts follow rejections more often than an
 average position does); the block-start tau (the anchors the engine visits) should match the engine's tau of
 `dflash@K`: a gap there would be a mismatch between the engine's drafter context and the training features.
-Single-turn datasets only.  Prints one JSON line per dataset.
+Single-turn datasets only.  Prints one JSON line per dataset.  `--method eagle3` does the same for an EAGLE-3
+drafter (its training-time-test chain of 7 drafts, against the bench's `eagle3@K` rows).
 
-  python scripts/sim_tau_vs_bench.py --bench docs/results/bench/bench.json --drafter DIR
+  python scripts/sim_tau_vs_bench.py --bench docs/results/bench/bench.json --drafter DIR [--method eagle3]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bench", required=True, help="bench.json of a `specjax bench` run with ar and dflash@K")
     p.add_argument("--drafter", required=True)
+    p.add_argument("--method", default="dflash", choices=["dflash", "eagle3"])
     p.add_argument("--data-dir", default=None)
     args = p.parse_args()
 
@@ -30,13 +32,21 @@ def main() -> None:
     from specjax.model.loader import load_model
     from specjax.train.simtau import HeldOutSet
     from specjax.train.store import TokenStore
-    from specjax.train.trainer import DFlashMethod
+    from specjax.train.trainer import DFlashMethod, Eagle3Method
 
     bench = json.load(open(args.bench))
     target = load_model(bench["config"].get("model"))
-    dcfg, w = load_drafter(args.drafter, target.config)
-    ids = None if w.draft_ids is None else tuple(int(i) for i in np.asarray(w.draft_ids))
-    method = DFlashMethod(dcfg, dcfg.block_size, 1, 4.0, draft_ids=ids)
+    if args.method == "dflash":
+        dcfg, w = load_drafter(args.drafter, target.config)
+        ids = None if w.draft_ids is None else tuple(int(i) for i in np.asarray(w.draft_ids))
+        method, span = DFlashMethod(dcfg, dcfg.block_size, 1, 4.0, draft_ids=ids), dcfg.block_size
+    else:
+        from specjax.drafter.eagle3_loader import load_eagle3
+
+        ecfg, w = load_eagle3(args.drafter, target.config)
+        ids = np.arange(ecfg.draft_vocab_size) + (0 if w.d2t is None else np.asarray(w.d2t))
+        method = Eagle3Method(ecfg, tuple(int(i) for i in ids), target.config.num_layers)
+        span = method.ttt_steps + 1
     params, consts = method.load(args.drafter, target.config), method.constants(target)
     records = bench["records"]
     for dataset in ("gsm8k", "math500", "humaneval", "mbpp"):
@@ -49,10 +59,10 @@ def main() -> None:
             for prompt, out in zip(prompts, ar[0]["outputs"]):
                 ids_ = target.tokenizer.encode_chat([{"role": "user", "content": prompt.turns[0]}])
                 store.append(prompt.id, dataset, ids_ + list(out), len(ids_), "length")
-            sim = HeldOutSet(target, store, method.tap_indices, dcfg.block_size, max_len=2048).evaluate(
+            sim = HeldOutSet(target, store, method.tap_indices, span, max_len=2048).evaluate(
                 method, params, consts)[dataset]
         engine = {r["num_draft_tokens"]: r["tau"] for r in records
-                  if r["method"].startswith("dflash") and r["dataset"] == dataset}
+                  if r["method"].startswith(args.method) and r["dataset"] == dataset}
         print(json.dumps({"dataset": dataset,
                           "simulated_tau": {k: round(sim["tau"][k - 1], 3) for k in sorted(engine)},
                           "block_start_tau": {k: round(sim["tau_block_start"][k - 1], 3) for k in sorted(engine)},

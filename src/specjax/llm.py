@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from specjax.config import ConfigError, EngineConfig
 from specjax.drafter.loader import drafter_config_for, init_drafter, load_drafter
-from specjax.engine.engine import LLMEngine, StepOutput
+from specjax.engine.engine import LLMEngine, StepOutput, page_bytes
 from specjax.engine.sequence import Sequence, SequenceStats
 from specjax.hostmem import keep_freed_memory
 from specjax.model.loader import LoadedModel, load_model
@@ -91,6 +91,17 @@ def default_num_draft(max_draft: int, platform: str) -> int:
     return min(max_draft, CPU_FIXED_K) if platform == "cpu" else max_draft
 
 
+CPU_KV_CACHE_MEMORY = 1 << 30  # default KV budget on a CPU host (docs/results/startup.md)
+
+
+def default_kv_cache_memory(platform: str) -> int:
+    """KV pool bytes when neither pages nor bytes are asked for (0 = max_num_seqs full-length sequences).  A CPU
+    shares host memory with everything else, and the worst case (16 x 2048 tokens: 1.6 GB for SmolLM2) is rarely
+    reached: requests that outgrow the budget are preempted and recomputed, not refused.  Accelerators keep the
+    worst case."""
+    return CPU_KV_CACHE_MEMORY if platform == "cpu" else 0
+
+
 @dataclass
 class GenerationResult:
     prompt_token_ids: list[int]
@@ -133,10 +144,15 @@ class LLM:
             max_model_len=min(4096, self.target.config.max_position_embeddings))
         proposer, pweights = build_proposer(self.method, self.target, self.drafter_path, block_size,
                                             DTYPES[dtype], seed, engine_config.num_draft_tokens, ngram)
+        platform = (self.target.mesh.devices.flat[0] if self.target.mesh is not None else jax.devices()[0]).platform
         if self.method == "dflash" and engine_config.num_draft_tokens is None and not engine_config.adaptive_k:
-            platform = (self.target.mesh.devices.flat[0] if self.target.mesh is not None else jax.devices()[0]).platform
             engine_config = dataclasses.replace(
                 engine_config, num_draft_tokens=default_num_draft(proposer.max_draft_tokens, platform))
+        budget = default_kv_cache_memory(platform)
+        if budget and not engine_config.num_pages and not engine_config.kv_cache_memory:
+            one_seq = (engine_config.max_pages_per_seq + 1) * page_bytes(
+                self.target.config, proposer, engine_config.page_size, DTYPES[dtype])
+            engine_config = dataclasses.replace(engine_config, kv_cache_memory=max(budget, one_seq))
         tok = self.target.tokenizer
         eos = list(self.target.config.eos_token_ids)
         if tok is not None and tok.token_id(tok.eos_token) is not None:

@@ -137,6 +137,9 @@ def test_kv_pool_sized_from_a_memory_budget(target, drafter_dir):
     with pytest.raises(ConfigError, match=r"holds 10 KV pages .* needs 17 .* raise the budget or lower max_model_len"):
         LLMEngine(tc, target.weights, proposer, w, EngineConfig(max_model_len=64, page_size=4,
                                                                 kv_cache_memory=10 * per_page))
+    big = LLMEngine(tc, target.weights, proposer, w, EngineConfig(max_model_len=64, page_size=4, max_num_seqs=2,
+                                                                  kv_cache_memory=1000 * per_page))
+    assert big.config.pool_pages == 2 * 16 + 1  # never more than max_num_seqs full-length sequences use
     with pytest.raises(ConfigError, match="cannot be combined with num_pages"):
         EngineConfig(kv_cache_memory=10 ** 6, num_pages=8)
     assert parse_bytes("2GiB") == 2 ** 31 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("4096") == 4096
@@ -163,3 +166,20 @@ def test_cli_reports_errors_cleanly(capsys, tiny_dirs):
     assert "temperature must be a finite number >= 0" in capsys.readouterr().err
     assert main(["generate", "hi", "--model", tiny_dirs["qwen3"], "--method", "dflash", "--compile-cache", ""]) == 2
     assert "method dflash needs a drafter" in capsys.readouterr().err
+
+
+def test_cpu_default_kv_pool_is_a_byte_budget(target, monkeypatch):
+    """With neither pages nor bytes given, a CPU engine sizes its pool from the default budget (raised to one
+    full-length sequence if it holds less), and an explicit page count still wins."""
+    import specjax.llm as llm_mod
+    from specjax.engine.engine import page_bytes
+    from specjax.spec.proposer import NoProposer
+
+    per_page = page_bytes(target.config, NoProposer(), 4, jnp.float32)
+    cfg = EngineConfig(max_model_len=64, page_size=4, max_num_seqs=8)  # worst case 8 x 16 + 1 pages
+    monkeypatch.setattr(llm_mod, "CPU_KV_CACHE_MEMORY", 40 * per_page)
+    assert LLM(target=target, method="ar", engine_config=cfg).engine.config.pool_pages == 40
+    monkeypatch.setattr(llm_mod, "CPU_KV_CACHE_MEMORY", 3 * per_page)
+    assert LLM(target=target, method="ar", engine_config=cfg).engine.config.pool_pages == 17
+    pinned = EngineConfig(max_model_len=64, page_size=4, num_pages=25)
+    assert LLM(target=target, method="ar", engine_config=pinned).engine.config.pool_pages == 25

@@ -261,9 +261,12 @@ def add_server_args(p: argparse.ArgumentParser, warmup: str) -> None:
                    help="engine replicas on disjoint device groups (of --tensor-parallel-size devices each) behind "
                         "one server; requests go to the least loaded")
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch")
-    p.add_argument("--num-pages", type=int, default=0, help="KV pool pages (0 = max_num_seqs full sequences)")
+    p.add_argument("--num-pages", type=int, default=0,
+                   help="KV pool pages (0 = from --kv-cache-memory's budget)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=0,
-                   help="KV pool size in bytes, e.g. 2GiB or 512MB (target + drafter pages; instead of --num-pages)")
+                   help="KV pool size in bytes, e.g. 2GiB or 512MB (target + drafter pages; instead of --num-pages; "
+                        "at most what --max-num-seqs full-length sequences use). Default: 1GiB on a CPU (longer "
+                        "requests beyond it are preempted and recomputed), the full worst case on accelerators")
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--page-bucket-factor", type=int, default=4,
                    help="KV-page bucket growth: fewer shapes to compile at start-up vs. padded gathers")

@@ -62,9 +62,10 @@ def page_bytes(tcfg: ModelConfig, proposer, page_size: int, dtype) -> int:
 
 
 def pool_from_budget(config: EngineConfig, tcfg: ModelConfig, proposer, dtype) -> EngineConfig:
-    """`config` with num_pages = the pages that fit in kv_cache_memory (scratch page included)."""
+    """`config` with num_pages = the pages that fit in kv_cache_memory (scratch page included), at most what
+    max_num_seqs full-length sequences can use."""
     per_page = page_bytes(tcfg, proposer, config.page_size, dtype)
-    pages = config.kv_cache_memory // per_page
+    pages = min(config.kv_cache_memory // per_page, config.pool_pages)
     if pages < config.max_pages_per_seq + 1:
         need = (config.max_pages_per_seq + 1) * per_page
         raise ConfigError(f"kv_cache_memory={config.kv_cache_memory} bytes holds {pages} KV pages of {per_page} bytes; "
