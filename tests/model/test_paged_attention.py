@@ -1,4 +1,5 @@
-"""Paged attention equals dense attention on random ragged layouts (shuffled pages, padding, -1 slots)."""
+"""Paged attention equals dense attention on random ragged layouts (shuffled pages, padding, -1 slots), on XLA's
+gathered path and on the in-place CPU kernel (kernels/paged_attention.cc)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +9,24 @@ import pytest
 from specjax.model.attention import dense_attention, gather_pages, paged_attention, write_pages
 
 
+def native_kernel() -> str:
+    from specjax.kernels import quant_kernels
+    from tests.helpers import kernels_expected
+
+    k = quant_kernels()
+    if k is None:
+        if kernels_expected():  # a kernel that stops compiling must fail here, not skip
+            pytest.fail("the CPU kernels did not build on a CPU with AVX-512F and a C++ compiler")
+        pytest.skip("this machine has no AVX-512F or no C++ compiler")
+    return k.attention
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["xla", "kernel"])
 @pytest.mark.parametrize("seed", range(5))
-def test_paged_equals_dense_on_random_ragged_layouts(seed):
+def test_paged_equals_dense_on_random_ragged_layouts(seed, native):
+    kernel = native_kernel() if native else None
     rng = np.random.default_rng(seed)
-    b, n_heads, kv_heads, hd = 3, 4, 2, 8
+    b, n_heads, kv_heads, hd = 3, 6, 2, 32
     page_size = int(rng.integers(1, 6))
     lens = rng.integers(1, 40, size=b)  # tokens already in each sequence's cache after this step
     new = np.minimum(rng.integers(1, 6, size=b), lens)  # the last `new` of them are this step's queries
@@ -57,7 +72,7 @@ def test_paged_equals_dense_on_random_ragged_layouts(seed):
     v_pool = write_pages(v_pool, jnp.asarray(step_slots), jnp.full((b, t, kv_heads, hd), 7.0))
     scale = hd ** -0.5
     paged = np.asarray(paged_attention(jnp.asarray(q), k_pool, v_pool, jnp.asarray(table), jnp.asarray(positions),
-                                       jnp.asarray(valid), jnp.asarray(k_new), jnp.asarray(v_new), scale))
+                                       jnp.asarray(valid), jnp.asarray(k_new), jnp.asarray(v_new), scale, kernel))
     dense = np.asarray(dense_attention(jnp.asarray(q), jnp.asarray(k_dense), jnp.asarray(v_dense),
                                        jnp.asarray(positions), scale))
     for i in range(b):

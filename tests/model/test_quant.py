@@ -132,3 +132,34 @@ def test_speculative_decoding_on_kernels_is_lossless(tiny_dirs, tmp_path, kernel
     ar, spec = plain_and_random_dflash(model.config, model.weights, random_prompt(np.random.default_rng(4), 11), 32,
                                        128)
     assert spec == ar
+
+
+def test_drafters_on_the_attention_kernel_match_xla_and_stay_lossless(tiny_dirs, tmp_path, kernels):
+    """DFlash and EAGLE-3 drafters read their paged context through the in-place attention kernel when the target
+    has it: every draft equals the gathered-XLA path's, and the output equals plain decoding."""
+    import dataclasses
+
+    from specjax.drafter.eagle3 import Eagle3Params
+    from specjax.drafter.eagle3_loader import eagle3_config_for, init_eagle3
+    from specjax.drafter.loader import drafter_config_for, init_drafter
+    from specjax.spec.proposer import DFlashProposer, Eagle3Proposer
+
+    path = str(tmp_path / "llama-Q8_0.gguf")
+    write_gguf_from_hf(tiny_dirs["llama"], path, "Q8_0")
+    model = load_model(path, quant_kernels=True)
+    assert model.weights.attention_kernel == kernels.attention and model.config.head_dim % 16 == 0
+    xla = dataclasses.replace(model.weights, attention_kernel=None)
+    ecfg = eagle3_config_for(model.config, aux_ids=(1, 2, 3))
+    dcfg = drafter_config_for(model.config, num_layers=2, block_size=8, target_layer_ids=(0, 2), mask_token_id=299)
+    drafters = {"eagle3": (Eagle3Proposer(ecfg, 3), lambda w: Eagle3Params(init_eagle3(
+                    ecfg, jax.random.PRNGKey(4), std=0.15), w.embed)),
+                "dflash": (DFlashProposer(dcfg, 8), lambda w: init_drafter(dcfg, jax.random.PRNGKey(5), std=0.15))}
+    prompt = random_prompt(np.random.default_rng(6), 13)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
+    [plain] = LLMEngine(model.config, model.weights, config=config).generate([prompt], params)
+    for name, (proposer, make) in drafters.items():
+        runs = [LLMEngine(model.config, w, proposer, make(w), config, record_drafts=True).generate([prompt], params)[0]
+                for w in (model.weights, xla)]
+        assert runs[0].stats.draft_log == runs[1].stats.draft_log, name
+        assert runs[0].output_ids == plain.output_ids, name

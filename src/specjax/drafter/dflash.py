@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import DrafterConfig
-from specjax.model.attention import KVRows, cached_and_new_attention, gather_pages
+from specjax.model.attention import KVRows, pages_and_new_attention
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin, swiglu
 from specjax.model.target import KVPages
 
@@ -118,23 +118,22 @@ def block_embeddings(weights: DFlashWeights, cfg: DrafterConfig, embed: jax.Arra
 
 
 def block_hidden(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, x: jax.Array, block_pos: jax.Array,
-                 context_lens: jax.Array, page_table: jax.Array) -> jax.Array:
+                 context_lens: jax.Array, page_table: jax.Array, kernel: str | None = None) -> jax.Array:
     """Drafter stack over block rows x [B, Q, H] at block_pos [B, Q]; context = cached rows < context_lens [B].
+    `kernel`: the target's in-place paged-attention kernel (TargetWeights.attention_kernel), if any.
 
     Returns final-normed hidden states [B, Q, H].
     """
     b, q_len, _ = x.shape
     cos, sin = rope_cos_sin(block_pos, jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
-    num_ctx = page_table.shape[1] * dkv.page_size
-    ctx_visible = jnp.arange(num_ctx)[None, :] < context_lens[:, None]  # [B, S]
     block_visible = jnp.ones((b, q_len, q_len), bool)  # non-causal inside the block
     for i, layer in enumerate(weights.layers):
         xn = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
         q = rms_norm((xn @ layer.w_q).reshape(b, q_len, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         kb, vb = layer_kv(layer, cfg, xn, cos, sin)
-        o = cached_and_new_attention(q, gather_pages(dkv.k[i], page_table), gather_pages(dkv.v[i], page_table),
-                                     ctx_visible, kb, vb, block_visible, cfg.head_dim ** -0.5)
+        o = pages_and_new_attention(q, dkv.k[i], dkv.v[i], page_table, context_lens, kb, vb, block_visible,
+                                    cfg.head_dim ** -0.5, kernel)
         x = x + o.reshape(b, q_len, -1) @ layer.w_o
         x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
     return rms_norm(x, weights.norm, cfg.rms_norm_eps)
@@ -142,14 +141,14 @@ def block_hidden(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, x: ja
 
 def draft_scores(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array, vocab_rows: jax.Array,
                  bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array, num_draft_tokens: int,
-                 block_size: int) -> jax.Array:
+                 block_size: int, kernel: str | None = None) -> jax.Array:
     """Vocab-major float32 logits [V_d, B * K] of block slots 1..K through the TARGET's head rows `vocab_rows`
     [V, H] (its draft-vocabulary rows if the drafter has one: `to_target_ids` maps argmax indices back).  bonus
     sits at position context_lens (= s, the number of positions already in the drafter context).  Vocab-major
     because that is the fast product on XLA:CPU (model/target.py); argmax runs over axis 0 without a transpose."""
     block_pos = context_lens[:, None] + jnp.arange(block_size)[None, :]  # [B, Q]
     x = block_embeddings(weights, cfg, embed, bonus, block_size)
-    h = block_hidden(weights, cfg, dkv, x, block_pos, context_lens, page_table)[:, 1:1 + num_draft_tokens]
+    h = block_hidden(weights, cfg, dkv, x, block_pos, context_lens, page_table, kernel)[:, 1:1 + num_draft_tokens]
     return jnp.einsum("vd,md->vm", output_rows(weights, vocab_rows), h.reshape(-1, h.shape[-1]),
                       preferred_element_type=jnp.float32)
 
@@ -165,9 +164,9 @@ def propose_logits(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, emb
 
 def propose_tokens(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array,
                    vocab_rows: jax.Array, bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array,
-                   num_draft_tokens: int, block_size: int) -> jax.Array:
+                   num_draft_tokens: int, block_size: int, kernel: str | None = None) -> jax.Array:
     """Greedy drafts [B, K] (target ids): argmax of `draft_scores`."""
     scores = draft_scores(weights, cfg, dkv, embed, vocab_rows, bonus, context_lens, page_table, num_draft_tokens,
-                          block_size)
+                          block_size, kernel)
     idx = jnp.argmax(scores, axis=0).astype(jnp.int32).reshape(bonus.shape[0], num_draft_tokens)
     return to_target_ids(weights, idx)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from specjax.model.attention import cached_and_new_attention, gather_pages
+from specjax.model.attention import pages_and_new_attention
 from specjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 
 
@@ -130,17 +130,16 @@ def observe(w: Eagle3Weights, cfg: Eagle3Config, embed, taps, positions, next_to
 
 
 def propose(w: Eagle3Weights, cfg: Eagle3Config, cache: EagleCache, embed, bonus, start, page_table,
-            num_draft: int):
+            num_draft: int, kernel: str | None = None):
     """K drafts after `bonus` (at position `start`).  Row 1 recomputes position start - 1 from its stored
-    feature and the bonus; rows 2..K feed the previous row's pre-norm hidden and draft token back."""
+    feature and the bonus; rows 2..K feed the previous row's pre-norm hidden and draft token back.  `kernel`: the
+    target's in-place paged-attention kernel (TargetWeights.attention_kernel), if any."""
     b = bonus.shape[0]
     z = cache.k[0].shape[2]
     last = start - 1  # the last accepted position; its K/V and feature are in the cache
     slot_page = jnp.take_along_axis(page_table, (last // z)[:, None], axis=1)[:, 0]
     hidden = cache.feat[0][0, slot_page, last % z][:, None, :]  # [B, 1, H]
     token = bonus
-    k_cache, v_cache = gather_pages(cache.k[0], page_table), gather_pages(cache.v[0], page_table)
-    cache_visible = jnp.arange(k_cache.shape[2])[None, :] < start[:, None]  # positions <= start - 1
     chain_k, chain_v, drafts = [], [], []
     for j in range(num_draft):
         pos = (last + j)[:, None]
@@ -154,7 +153,8 @@ def propose(w: Eagle3Weights, cfg: Eagle3Config, cache: EagleCache, embed, bonus
         else:  # no chain rows yet: one fully masked dummy key keeps the shapes uniform
             kn, vn = jnp.zeros_like(k), jnp.zeros_like(v)
         new_visible = jnp.full((b, 1, kn.shape[1]), bool(chain_k))
-        o = cached_and_new_attention(q, k_cache, v_cache, cache_visible, kn, vn, new_visible, cfg.head_dim ** -0.5)
+        o = pages_and_new_attention(q, cache.k[0], cache.v[0], page_table, start, kn, vn, new_visible,  # <= start-1
+                                    cfg.head_dim ** -0.5, kernel)
         hidden, normed = finish_layer(w, cfg, o, residual)
         token = draft_logits_to_target(w, normed[:, 0])
         drafts.append(token)

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 QUANT_SOURCE = "quant_matmul.cc"
 QUANT_HANDLERS = {"Q4_0": "SpecjaxQ4_0", "Q4_1": "SpecjaxQ4_1", "Q8_0": "SpecjaxQ8_0"}
+ATTENTION_SOURCE = "paged_attention.cc"
+ATTENTION_HANDLER = "SpecjaxPagedAttention"
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 
 
@@ -33,9 +35,11 @@ class KernelUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class QuantKernels:
-    """FFI target name per GGUF block format (Q4_0, Q4_1, Q8_0), registered for the CPU platform."""
+    """Registered FFI targets (CPU platform): one per GGUF block format (Q4_0, Q4_1, Q8_0) for
+    model/quant.py, and `attention`, paged attention over the KV pool in place (model/attention.py)."""
 
     targets: dict[str, str]
+    attention: str
 
 
 def cache_dir() -> str:
@@ -95,16 +99,19 @@ def _load_quant_kernels() -> QuantKernels:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
-    with resources.as_file(resources.files(__package__) / QUANT_SOURCE) as source:
-        path = build(str(source), jax.ffi.include_dir(), cache_dir(), compiler, jax.__version__ + flags)
-    lib = ctypes.CDLL(path)
-    tag = os.path.basename(path).rsplit("-", 1)[1][:-3]
-    targets = {}
-    for kind, symbol in QUANT_HANDLERS.items():
-        name = f"specjax_{kind.lower()}_{tag}"
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-        targets[kind] = name
-    return QuantKernels(targets)
+    def register(source_name: str, symbols: dict[str, str]) -> dict[str, str]:
+        with resources.as_file(resources.files(__package__) / source_name) as source:
+            path = build(str(source), jax.ffi.include_dir(), cache_dir(), compiler, jax.__version__ + flags)
+        lib = ctypes.CDLL(path)
+        tag = os.path.basename(path).rsplit("-", 1)[1][:-3]
+        names = {}
+        for key, symbol in symbols.items():
+            names[key] = f"specjax_{key.lower()}_{tag}"
+            jax.ffi.register_ffi_target(names[key], jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        return names
+
+    targets = register(QUANT_SOURCE, QUANT_HANDLERS)
+    return QuantKernels(targets, register(ATTENTION_SOURCE, {"paged_attention": ATTENTION_HANDLER})["paged_attention"])
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.model.layers import MASK_VALUE, grouped_attention
 
@@ -90,15 +91,49 @@ def cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, n
     return out.reshape(kv_heads, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
 
 
-def paged_attention(q, k_pool, v_pool, page_table, positions, valid, k_new, v_new, scale):
+# Most query tokens per sequence (T) that go to the in-place paged-attention kernel (decode, verification and
+# drafter steps); wider calls (prefill chunks) are matrix-shaped enough for XLA's gathered attention to be faster.
+KERNEL_MAX_QUERIES = 8
+
+
+def paged_attention(q, k_pool, v_pool, page_table, positions, valid, k_new, v_new, scale, kernel=None):
     """Causal attention of this step's queries q [B, T, N, H] at `positions` [B, T] (consecutive, starting at
     positions[:, 0] = the number of cached tokens) over the cached pages plus the step's own rows k_new, v_new
     [B, T, K, H] (`valid` [B, T] marks real tokens).  Returns [B, T, N, H]."""
-    k_cache, v_cache = gather_pages(k_pool, page_table), gather_pages(v_pool, page_table)
-    cache_visible = jnp.arange(k_cache.shape[2])[None, :] < positions[:, :1]  # cached = positions before the step
     t = q.shape[1]
     new_visible = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None] & valid[:, None, :]  # causal in step
-    return cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible, scale)
+    return pages_and_new_attention(q, k_pool, v_pool, page_table, positions[:, 0], k_new, v_new, new_visible, scale,
+                                   kernel)
+
+
+def pages_and_new_attention(q, k_pool, v_pool, page_table, cache_lens, k_new, v_new, new_visible, scale,
+                            kernel=None):
+    """`cached_and_new_attention` with the cache read from pages: every query of sequence b sees its cached rows
+    s < cache_lens[b] [B] and the new rows new_visible [B, T, T2] allows.  `kernel`: the registered FFI target of
+    kernels/paged_attention.cc (TargetWeights.attention_kernel), which reads the pages in place, for float32 calls
+    of at most KERNEL_MAX_QUERIES queries per sequence; otherwise the pages are gathered and XLA attends over the
+    copy."""
+    b, t, n, h = q.shape
+    if kernel is None or t > KERNEL_MAX_QUERIES or not q.dtype == k_pool.dtype == jnp.float32 or h % 16 or h > 256:
+        k_cache, v_cache = gather_pages(k_pool, page_table), gather_pages(v_pool, page_table)
+        cache_visible = jnp.arange(k_cache.shape[2])[None, :] < cache_lens[:, None]
+        return cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible, scale)
+    kv_heads = k_pool.shape[0]
+    g = n // kv_heads
+    qq = q.reshape(b, t, kv_heads, g, h).transpose(2, 0, 1, 3, 4).reshape(kv_heads, b, t * g, h)  # rows (t, g)
+    rows = (jax.ShapeDtypeStruct(qq.shape, jnp.float32), jax.ShapeDtypeStruct(qq.shape[:3], jnp.float32),
+            jax.ShapeDtypeStruct(qq.shape[:3], jnp.float32))
+    # the cache's share of the softmax: its max, sum and unnormalized value sum per query row
+    o_cache, m_cache, l_cache = jax.ffi.ffi_call(kernel, rows)(
+        qq, k_pool, v_pool, page_table.astype(jnp.int32), cache_lens.astype(jnp.int32), scale=np.float32(scale))
+    kn, vn = k_new.transpose(2, 0, 1, 3), v_new.transpose(2, 0, 1, 3)  # [K, B, T2, H]
+    s_new = jnp.einsum("kbqh,kbth->kbqt", qq, kn, preferred_element_type=jnp.float32) * scale
+    s_new = jnp.where(jnp.repeat(new_visible, g, axis=1)[None], s_new, MASK_VALUE)
+    m = jnp.maximum(m_cache, s_new.max(-1))
+    a_cache, p_new = jnp.exp(m_cache - m), jnp.exp(s_new - m[..., None])
+    denom = l_cache * a_cache + p_new.sum(-1)
+    out = (o_cache * a_cache[..., None] + jnp.einsum("kbqt,kbth->kbqh", p_new, vn)) / denom[..., None]
+    return out.reshape(kv_heads, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
 
 
 def dense_attention(q, k, v, positions, scale):

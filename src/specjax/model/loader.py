@@ -6,6 +6,7 @@ them (undoing llama.cpp's Q/K row permutation for llama-architecture files) befo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -364,6 +365,8 @@ def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = Fal
         if q is not None:
             blocks[name] = q
     cfg, weights = assemble_target(cfg, tensors, path, dtype, mesh, blocks, kernels and kernels.targets)
+    if kernels is not None:
+        weights = dataclasses.replace(weights, attention_kernel=kernels.attention)
     return LoadedModel(cfg, weights, Tokenizer.from_gguf(reader, path), path, mesh)
 
 
@@ -393,13 +396,22 @@ def default_model_path() -> str:
 
 def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kernels: bool = False) -> LoadedModel:
     """Load a target from a HF directory, a .gguf file, a hub name ("org/name[@revision]", see model/hub.py), or
-    (None / "default") the embedded SmolLM2.  `quant_kernels`: run a GGUF file's block-quantized matrices on
-    the CPU kernels where they can run (see load_gguf); inference only (training wants plain arrays)."""
+    (None / "default") the embedded SmolLM2.  `quant_kernels`: run a GGUF file's block-quantized matrices and
+    (any target's) paged attention on the CPU kernels where they can run (see load_gguf); inference only (training
+    wants plain arrays)."""
     if path in (None, "default"):
         path = default_model_path()
     path = hub.resolve(path, "model")
     if os.path.isdir(path):
-        return load_hf_dir(path, dtype, mesh)
+        model = load_hf_dir(path, dtype, mesh)
+        if quant_kernels and mesh is None and dtype == jnp.float32:  # no blocks to stream, but paged attention
+            from specjax.kernels import quant_kernels as built_kernels
+
+            kernels = built_kernels()
+            if kernels is not None:
+                model = dataclasses.replace(model, weights=dataclasses.replace(
+                    model.weights, attention_kernel=kernels.attention))
+        return model
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise CheckpointError(f"model file must be a .gguf (or pass a HF model directory): {path}")

@@ -75,6 +75,8 @@ class TargetWeights:
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None  # [V, D], or None when tied to `embed`
     head_blocks: QuantMatrix | None = None  # the LM head's rows as GGUF blocks for `logits` (model/quant.py)
+    # registered FFI target of the in-place paged-attention kernel (kernels/paged_attention.cc), set by the loader
+    attention_kernel: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def vocab_rows(self) -> jax.Array:
@@ -122,8 +124,10 @@ class ForwardBatch:
     page_table: jax.Array  # [B, Pg] pages in logical order (padding entries -> scratch page 0)
 
 
-def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, batch: ForwardBatch, cos, sin):
-    """Pre-norm attention of one layer over the pages plus the new rows.  x: [D, B*T] -> (x, k_new, v_new)."""
+def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, batch: ForwardBatch, cos, sin,
+                    kernel: str | None = None):
+    """Pre-norm attention of one layer over the pages plus the new rows.  x: [D, B*T] -> (x, k_new, v_new).
+    `kernel`: TargetWeights.attention_kernel."""
     b, t = batch.tokens.shape
     g = cfg.tensor_parallel
     xn = rms_norm(x, layer.attn_norm[:, None], cfg.rms_norm_eps, axis=0)
@@ -140,7 +144,7 @@ def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, bat
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o = paged_attention(q, k_pool, v_pool, batch.page_table, batch.positions, batch.slots >= 0, k, v,
-                        cfg.head_dim ** -0.5)
+                        cfg.head_dim ** -0.5, kernel)
     return x + matmul(layer.w_o, o.reshape(b * t, cfg.q_size).T), k, v
 
 
@@ -166,7 +170,7 @@ def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: Model
     taps = {0: x} if 0 in tap_indices else {}
     new_k, new_v = [], []
     for i, layer in enumerate(weights.layers):
-        x, k_new, v_new = attention_block(layer, cfg, x, kv.k[i], kv.v[i], batch, cos, sin)
+        x, k_new, v_new = attention_block(layer, cfg, x, kv.k[i], kv.v[i], batch, cos, sin, weights.attention_kernel)
         x = mlp_block(layer, cfg, x)
         new_k.append(k_new)
         new_v.append(v_new)

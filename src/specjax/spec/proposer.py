@@ -83,7 +83,7 @@ class DFlashProposer:
 
     def propose(self, params, state, target, bonus, start, page_table, num_draft):
         return dflash.propose_tokens(params, self.cfg, state, target.embed, target.vocab_rows, bonus, start,
-                                     page_table, num_draft, self.block_size)
+                                     page_table, num_draft, self.block_size, target.attention_kernel)
 
     def prepare(self, params, target):
         """Once per engine: cut the draft vocabulary's head rows (if any) out of the target head."""
@@ -167,4 +167,5 @@ class Eagle3Proposer:
     def propose(self, params, state, target, bonus, start, page_table, num_draft):
         from specjax.drafter import eagle3
 
-        return eagle3.propose(params.drafter, self.cfg, state, target.embed, bonus, start, page_table, num_draft)
+        return eagle3.propose(params.drafter, self.cfg, state, target.embed, bonus, start, page_table, num_draft,
+                              target.attention_kernel)
