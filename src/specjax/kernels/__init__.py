@@ -116,8 +116,9 @@ def _load_quant_kernels() -> QuantKernels:
 
 @functools.lru_cache(maxsize=None)
 def quant_kernels() -> QuantKernels | None:
-    """The block-quantized matmul kernels of kernels/quant_matmul.cc, built and registered once per process, or
-    None where they cannot run here (the reason is logged)."""
+    """The block-quantized matmul kernels of kernels/quant_matmul.cc and the paged attention of
+    kernels/paged_attention.cc, built and registered once per process, or None where they cannot run here (the
+    reason is logged)."""
     try:
         return _load_quant_kernels()
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
