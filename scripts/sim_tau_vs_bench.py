@@ -39,14 +39,13 @@ def main() -> None:
     if args.method == "dflash":
         dcfg, w = load_drafter(args.drafter, target.config)
         ids = None if w.draft_ids is None else tuple(int(i) for i in np.asarray(w.draft_ids))
-        method, span = DFlashMethod(dcfg, dcfg.block_size, 1, 4.0, draft_ids=ids), dcfg.block_size
+        method = DFlashMethod(dcfg, dcfg.block_size, 1, 4.0, draft_ids=ids)
     else:
         from specjax.drafter.eagle3_loader import load_eagle3
 
         ecfg, w = load_eagle3(args.drafter, target.config)
         ids = np.arange(ecfg.draft_vocab_size) + (0 if w.d2t is None else np.asarray(w.d2t))
         method = Eagle3Method(ecfg, tuple(int(i) for i in ids), target.config.num_layers)
-        span = method.ttt_steps + 1
     params, consts = method.load(args.drafter, target.config), method.constants(target)
     records = bench["records"]
     for dataset in ("gsm8k", "math500", "humaneval", "mbpp"):
@@ -59,7 +58,7 @@ def main() -> None:
             for prompt, out in zip(prompts, ar[0]["outputs"]):
                 ids_ = target.tokenizer.encode_chat([{"role": "user", "content": prompt.turns[0]}])
                 store.append(prompt.id, dataset, ids_ + list(out), len(ids_), "length")
-            sim = HeldOutSet(target, store, method.tap_indices, span, max_len=2048).evaluate(
+            sim = HeldOutSet(target, store, method.tap_indices, method.sim_span, max_len=2048).evaluate(
                 method, params, consts)[dataset]
         engine = {r["num_draft_tokens"]: r["tau"] for r in records
                   if r["method"].startswith(args.method) and r["dataset"] == dataset}

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from specjax.config import ConfigError, EngineConfig
 from specjax.drafter.loader import drafter_config_for, init_drafter, load_drafter
-from specjax.engine.engine import LLMEngine, StepOutput, page_bytes
+from specjax.engine.engine import LLMEngine, StepOutput, one_sequence_bytes
 from specjax.engine.sequence import Sequence, SequenceStats
 from specjax.hostmem import keep_freed_memory
 from specjax.model.loader import LoadedModel, load_model
@@ -85,9 +85,9 @@ CPU_FIXED_K = 3  # the best fixed K of the shipped drafter on the 2-core CPU (do
 
 def default_num_draft(max_draft: int, platform: str) -> int:
     """DFlash drafts verified per step by a fixed-K engine when none is asked for.  On a CPU a verify step costs
-    more with every row (t(4) / t(1) = 1.42, t(8) / t(1) = 2.05 on the GGUF block kernels, docs/results/kflat.md):
-    K = 3 beat K = 2 and K = 7 there.  Accelerators verify a block of 16 for about the price of one token
-    (docs/results/accel.md): the drafter's whole block."""
+    more with every row (t(4) / t(1) = 1.30, t(8) / t(1) = 1.95 on the CPU kernels, docs/results/kflat.md): K = 3
+    beat K = 2 and K = 7 there (measured at t(4) / t(1) = 1.42, before the attention kernel).  Accelerators verify
+    a block of 16 for about the price of one token (docs/results/accel.md): the drafter's whole block."""
     return min(max_draft, CPU_FIXED_K) if platform == "cpu" else max_draft
 
 
@@ -150,9 +150,8 @@ class LLM:
                 engine_config, num_draft_tokens=default_num_draft(proposer.max_draft_tokens, platform))
         budget = default_kv_cache_memory(platform)
         if budget and not engine_config.num_pages and not engine_config.kv_cache_memory:
-            one_seq = (engine_config.max_pages_per_seq + 1) * page_bytes(
-                self.target.config, proposer, engine_config.page_size, DTYPES[dtype])
-            engine_config = dataclasses.replace(engine_config, kv_cache_memory=max(budget, one_seq))
+            floor = one_sequence_bytes(engine_config, self.target.config, proposer, DTYPES[dtype])
+            engine_config = dataclasses.replace(engine_config, kv_cache_memory=max(budget, floor))
         tok = self.target.tokenizer
         eos = list(self.target.config.eos_token_ids)
         if tok is not None and tok.token_id(tok.eos_token) is not None:

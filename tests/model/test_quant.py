@@ -158,8 +158,16 @@ def test_drafters_on_the_attention_kernel_match_xla_and_stay_lossless(tiny_dirs,
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
     [plain] = LLMEngine(model.config, model.weights, config=config).generate([prompt], params)
+    # attention calls per decode step: one per target layer, plus the drafter's (a layer each for DFlash; EAGLE-3's
+    # single layer once per chained draft)
+    drafter_calls = {"eagle3": 3, "dflash": dcfg.num_layers}
     for name, (proposer, make) in drafters.items():
-        runs = [LLMEngine(model.config, w, proposer, make(w), config, record_drafts=True).generate([prompt], params)[0]
-                for w in (model.weights, xla)]
+        engines = [LLMEngine(model.config, w, proposer, make(w), config, record_drafts=True)
+                   for w in (model.weights, xla)]
+        runs = [e.generate([prompt], params)[0] for e in engines]
         assert runs[0].stats.draft_log == runs[1].stats.draft_log, name
         assert runs[0].output_ids == plain.output_ids, name
+        for engine, want in zip(engines, (model.config.num_layers + drafter_calls[name], 0)):
+            steps = [p[0] for shape, p in engine.programs.ready.items() if shape.kind == "decode"]
+            assert steps and all(s.as_text().count(f'custom_call_target="{kernels.attention}"') == want
+                                 for s in steps), name

@@ -219,9 +219,7 @@ def cmd_train_drafter(args) -> int:
     if args.heldout:
         from specjax.train.simtau import HeldOutSet
 
-        # an EAGLE-3 chain of --ttt-steps drafts is scored like a DFlash block of that many drafts plus the bonus
-        span = cfg.block_size if args.method == "dflash" else args.ttt_steps + 1
-        heldout = HeldOutSet(target, TokenStore(args.heldout), method.tap_indices, span, cfg.max_len)
+        heldout = HeldOutSet(target, TokenStore(args.heldout), method.tap_indices, method.sim_span, cfg.max_len)
     summary = train_drafter(target, store, args.out, method, cfg, args.resume, eval_sets, args.eval_max_new_tokens,
                             args.save_dtype, features=features, init_from=args.init, heldout=heldout,
                             log_path=args.log, mesh=data_parallel_mesh(args.data_parallel_size))

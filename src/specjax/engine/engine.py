@@ -61,13 +61,18 @@ def page_bytes(tcfg: ModelConfig, proposer, page_size: int, dtype) -> int:
     return pool_bytes(2) - pool_bytes(1)
 
 
+def one_sequence_bytes(config: EngineConfig, tcfg: ModelConfig, proposer, dtype) -> int:
+    """The smallest KV pool that serves `config`: one max_model_len sequence plus the scratch page."""
+    return (config.max_pages_per_seq + 1) * page_bytes(tcfg, proposer, config.page_size, dtype)
+
+
 def pool_from_budget(config: EngineConfig, tcfg: ModelConfig, proposer, dtype) -> EngineConfig:
     """`config` with num_pages = the pages that fit in kv_cache_memory (scratch page included), at most what
     max_num_seqs full-length sequences can use."""
     per_page = page_bytes(tcfg, proposer, config.page_size, dtype)
     pages = min(config.kv_cache_memory // per_page, config.pool_pages)
     if pages < config.max_pages_per_seq + 1:
-        need = (config.max_pages_per_seq + 1) * per_page
+        need = one_sequence_bytes(config, tcfg, proposer, dtype)
         raise ConfigError(f"kv_cache_memory={config.kv_cache_memory} bytes holds {pages} KV pages of {per_page} bytes; "
                           f"one {config.max_model_len}-token sequence needs {config.max_pages_per_seq + 1} "
                           f"({need / 2 ** 20:.1f} MiB): raise the budget or lower max_model_len")

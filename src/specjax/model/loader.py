@@ -365,8 +365,6 @@ def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = Fal
         if q is not None:
             blocks[name] = q
     cfg, weights = assemble_target(cfg, tensors, path, dtype, mesh, blocks, kernels and kernels.targets)
-    if kernels is not None:
-        weights = dataclasses.replace(weights, attention_kernel=kernels.attention)
     return LoadedModel(cfg, weights, Tokenizer.from_gguf(reader, path), path, mesh)
 
 
@@ -404,16 +402,17 @@ def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kern
     path = hub.resolve(path, "model")
     if os.path.isdir(path):
         model = load_hf_dir(path, dtype, mesh)
-        if quant_kernels and mesh is None and dtype == jnp.float32:  # no blocks to stream, but paged attention
-            from specjax.kernels import quant_kernels as built_kernels
-
-            kernels = built_kernels()
-            if kernels is not None:
-                model = dataclasses.replace(model, weights=dataclasses.replace(
-                    model.weights, attention_kernel=kernels.attention))
-        return model
-    if os.path.isfile(path):
+    elif os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise CheckpointError(f"model file must be a .gguf (or pass a HF model directory): {path}")
-        return load_gguf(path, dtype, mesh, quant_kernels)
-    raise CheckpointError(f"model path does not exist: {path}")
+        model = load_gguf(path, dtype, mesh, quant_kernels)
+    else:
+        raise CheckpointError(f"model path does not exist: {path}")
+    if quant_kernels and mesh is None and dtype == jnp.float32:  # paged attention in place, for either format
+        from specjax.kernels import quant_kernels as built_kernels
+
+        kernels = built_kernels()
+        if kernels is not None:
+            model = dataclasses.replace(model, weights=dataclasses.replace(model.weights,
+                                                                           attention_kernel=kernels.attention))
+    return model

@@ -228,6 +228,11 @@ class DFlashMethod:
     def tap_indices(self):
         return self.dcfg.hidden_state_indices
 
+    @property
+    def sim_span(self) -> int:
+        """Block size simulated tau scores (HeldOutSet): the drafter's block, anchor included."""
+        return self.block_size
+
     def init_params(self, key, target, tap_rms=None):
         from specjax.drafter.loader import init_drafter
 
@@ -301,6 +306,11 @@ class Eagle3Method:
     @property
     def tap_indices(self):
         return self.ecfg.hidden_state_indices
+
+    @property
+    def sim_span(self) -> int:
+        """Simulated tau scores a chain of ttt_steps drafts like a DFlash block of that many drafts plus the bonus."""
+        return self.ttt_steps + 1
 
     def d2t(self):
         ids = np.asarray(self.draft_ids)
