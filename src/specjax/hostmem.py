@@ -5,13 +5,15 @@ XLA:CPU takes each execution's temporaries (for a batched decode step, tens to h
 pages) from malloc.  glibc serves blocks above its mmap threshold with a fresh mmap and unmaps them on free, so
 every step page-faults its whole working set again: 48k minor faults, about half of a batch-8 SmolLM2 decode
 step (docs/results/kflat.md).  With mmap off, one arena and a high trim threshold the same blocks are reused.
-The price: memory freed after a peak stays mapped in the process (reused, not returned to the OS).
+The price: memory freed after a peak stays mapped in the process (reused, not returned to the OS), so after a
+one-off peak (loading weights, compiling) `release_freed_memory` hands the free pages back explicitly.
 Linux/glibc only; SPECJAX_MALLOC_TUNING=0 leaves the allocator alone.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import sys
 
@@ -27,6 +29,21 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(M_ARENA_MAX, 1) and libc.mallopt(M_MMAP_MAX, 0)
                     and libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
     except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
+        return False
+
+
+def release_freed_memory(collect: bool = True) -> bool:
+    """Return the free pages of malloc's heap to the OS (glibc `malloc_trim`): after a one-off peak such as a
+    checkpoint's float32 copies during loading, which the tuning above would otherwise keep resident for good.
+    True when glibc released anything.  `collect`: collect reference cycles first (their arrays are freed only
+    then; ~0.1 s holding the GIL, so not on a thread beside the engine's)."""
+    if collect:
+        gc.collect()
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc
         return False
 
 

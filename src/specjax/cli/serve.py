@@ -21,6 +21,7 @@ from specjax.cli.common import (
 def build_server(args):
     """(app, service, llm, served model name) for `specjax serve` and `specjax bench-serve`."""
     from specjax.config import EngineConfig
+    from specjax.hostmem import release_freed_memory
     from specjax.llm import LLM
     from specjax.sampling import GREEDY, SAMPLE, SAMPLE_FILTERED
     from specjax.serve.api import create_app
@@ -61,6 +62,7 @@ def build_server(args):
                   f"{time.perf_counter() - t0:.1f}s"
                   + (f"; {later} more compile in the background, none on the engine thread" if later else "") + "]",
                   file=sys.stderr)
+        release_freed_memory()  # compilation's temporaries: freed, but kept resident by the malloc tuning
         print(memory_line(llm.engine.memory_bytes(), llm.engine.config, replica), file=sys.stderr)
         services.append(EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft)),
                                       publisher=publisher))

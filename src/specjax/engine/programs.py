@@ -21,6 +21,8 @@ import logging
 import threading
 from typing import Callable, NamedTuple
 
+from specjax.hostmem import release_freed_memory
+
 log = logging.getLogger(__name__)
 
 
@@ -125,6 +127,7 @@ class StepPrograms:
                 if self._closed or not self._queue:
                     self._building = None
                     self._cv.notify_all()
+                    release_freed_memory(collect=False)  # the compiler's temporaries, kept resident otherwise
                     return
                 shape = self._building = self._queue.popleft()
             try:

@@ -13,11 +13,13 @@ import os
 import re
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from specjax.config import ConfigError, ModelConfig, RopeConfig, replace
+from specjax.hostmem import release_freed_memory
 from specjax.model import hub
 from specjax.model.quant import HostBlocks, QuantMatrix, to_device
 from specjax.model.target import TargetLayer, TargetWeights, fused_row_order, gate_up_parts, qkv_parts
@@ -332,11 +334,31 @@ def gguf_model_config(reader, source: str) -> ModelConfig:
     )
 
 
+class LazyDequant:
+    """A GGUF tensor dequantized to float32 only when taken, so that loading holds one float32 copy of a tensor at
+    a time rather than of the whole model (`heads`: Llama q/k rows to un-permute to HF order)."""
+
+    def __init__(self, tensor, heads: int | None = None):
+        self.tensor, self.heads = tensor, heads
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        from specjax.model.gguf_file import dequantize
+
+        arr = dequantize(self.tensor.data, self.tensor.tensor_type)  # a new float32 array, not a view of the file
+        if self.heads is not None:
+            arr = unpermute_llama_qk(arr, self.heads)
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+
 def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = False) -> LoadedModel:
     """`quant_kernels`: also keep the matrices stored in a kernel's block format (Q4_0, Q4_1, Q8_0) as blocks,
     for the CPU kernels (model/quant.py), when they can run here (one device, float32)."""
     from specjax.kernels import quant_kernels as built_kernels
-    from specjax.model.gguf_file import GGUFFile, dequantize
+    from specjax.model.gguf_file import GGUFFile
     from specjax.model.quant import BLOCK_LAYOUT
 
     if not os.path.isfile(path):
@@ -351,18 +373,16 @@ def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = Fal
     for t in reader.tensors:
         if t.name in GGUF_IGNORED:
             continue
-        arr = dequantize(t.data, t.tensor_type)  # a new float32 array (not a view of the mapping)
         name = gguf_to_hf_name(t.name)
-        q = None
-        if kernels is not None and t.tensor_type.name in BLOCK_LAYOUT and arr.ndim == 2:
-            q = HostBlocks.from_gguf(t.data, t.tensor_type.name)
+        heads = None
         if cfg.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
-            arr = unpermute_llama_qk(arr, heads)
-            q = q and HostBlocks(q.kind, *(a if a is None else unpermute_llama_qk(a, heads)
-                                           for a in (q.codes, q.scales, q.mins)))
-        tensors[name] = arr
-        if q is not None:
+        tensors[name] = LazyDequant(t, heads)
+        if kernels is not None and t.tensor_type.name in BLOCK_LAYOUT and len(t.shape) == 2:
+            q = HostBlocks.from_gguf(t.data, t.tensor_type.name)
+            if heads is not None:
+                q = HostBlocks(q.kind, *(a if a is None else unpermute_llama_qk(a, heads)
+                                         for a in (q.codes, q.scales, q.mins)))
             blocks[name] = q
     cfg, weights = assemble_target(cfg, tensors, path, dtype, mesh, blocks, kernels and kernels.targets)
     return LoadedModel(cfg, weights, Tokenizer.from_gguf(reader, path), path, mesh)
@@ -415,4 +435,6 @@ def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kern
         if kernels is not None:
             model = dataclasses.replace(model, weights=dataclasses.replace(model.weights,
                                                                            attention_kernel=kernels.attention))
+    jax.block_until_ready(model.weights)  # transfers done: the checkpoint's host copies are gone ...
+    release_freed_memory()  # ... and their pages go back to the OS instead of staying resident
     return model
