@@ -7,6 +7,8 @@ generate: seconds to the first byte of the answer on stdout, to exit, and the pe
 to the first line on stderr (progress visible), to /health answering, to a first chat completion answered, and
 RSS at those points; with --soak-s, `clients` closed-loop clients send chat completions for that long while RSS is
 sampled every 10 s.  Extra arguments after `--` go to the specjax command (e.g. `-- --compile-cache /tmp/fresh`).
+`--base REV`: a paired A/B, runs alternating between that git revision (A, a temporary worktree) and the working
+tree (B).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 
 PROMPT = "What is the capital of France?"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def rss_bytes(pid: int) -> int:
@@ -33,9 +37,18 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def run_generate(extra: list[str]) -> dict:
+def specjax(src: str | None) -> tuple[list[str], dict]:
+    """The command and environment that run specjax: the installed one, or the source tree `src` (A/B runs)."""
+    if src is None:
+        return ["specjax"], dict(os.environ)
+    return [sys.executable, "-m", "specjax.cli"], {**os.environ, "PYTHONPATH": src}
+
+
+def run_generate(extra: list[str], src: str | None = None) -> dict:
+    cmd, env = specjax(src)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(["specjax", "generate", PROMPT, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([*cmd, "generate", PROMPT, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env)
     first = None
     out = b""
     while True:
@@ -66,11 +79,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_serve(extra: list[str], soak_s: float, clients: int) -> dict:
+def run_serve(extra: list[str], soak_s: float, clients: int, src: str | None = None) -> dict:
+    cmd, env = specjax(src)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    proc = subprocess.Popen(["specjax", "serve", "--port", str(port), *extra], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([*cmd, "serve", "--port", str(port), *extra], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     lines, first_line = [], []
 
@@ -162,29 +176,51 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--fresh-cache", action="store_true", help="each run with an empty persistent compile cache")
     p.add_argument("--out", default=None)
+    p.add_argument("--base", default=None,
+                   help="paired A/B: runs alternate between this git revision (A) and the working tree (B)")
     args = p.parse_args(argv)
-    runs = []
-    for i in range(args.runs):
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as cache:
-            run_extra = extra + (["--compile-cache", cache] if args.fresh_cache else [])
-            if args.command == "generate":
-                r = run_generate(run_extra)
-            else:
-                r = run_serve(run_extra, args.soak_s if i == args.runs - 1 else 0.0, args.clients)
-        print(json.dumps({k: v for k, v in r.items() if k not in ("stderr", "stderr_tail", "soak")}), file=sys.stderr)
-        runs.append(r)
-    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    summary = {"command": args.command, "extra_args": extra, "fresh_cache": args.fresh_cache, "runs": runs,
-               "median": {k: statistics.median(r[k] for r in runs if r.get(k) is not None) for k in keys}}
-    print(json.dumps(summary["median"], indent=1))
+    if args.base:
+        with tempfile.TemporaryDirectory() as tmp:
+            base = os.path.join(tmp, "base")
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", base, args.base], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                runs = {"A": [], "B": []}
+                for i in range(args.runs):
+                    for side, src in (("A", os.path.join(base, "src")), ("B", os.path.join(ROOT, "src"))):
+                        runs[side].append(one_run(args, extra, i, src))
+            finally:
+                subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base], check=False)
+        summary = {"command": args.command, "extra_args": extra, "fresh_cache": args.fresh_cache, "base": args.base,
+                   "A": summarize(runs["A"]), "B": summarize(runs["B"])}
+        summary["b_over_a"] = {k: summary["B"]["median"][k] / summary["A"]["median"][k]
+                               for k in summary["A"]["median"] if summary["A"]["median"][k]}
+        print(json.dumps({k: summary[k] for k in ("b_over_a",)} | {s: summary[s]["median"] for s in "AB"}, indent=1))
+    else:
+        runs = [one_run(args, extra, i) for i in range(args.runs)]
+        summary = {"command": args.command, "extra_args": extra, "fresh_cache": args.fresh_cache, **summarize(runs)}
+        print(json.dumps(summary["median"], indent=1))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)
     return 0
 
+
+def one_run(args, extra: list[str], i: int, src: str | None = None) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        run_extra = extra + (["--compile-cache", cache] if args.fresh_cache else [])
+        if args.command == "generate":
+            r = run_generate(run_extra, src)
+        else:
+            r = run_serve(run_extra, args.soak_s if i == args.runs - 1 else 0.0, args.clients, src)
+    print(json.dumps({k: v for k, v in r.items() if k not in ("stderr", "stderr_tail", "soak")}), file=sys.stderr)
+    return r
+
+
+def summarize(runs: list[dict]) -> dict:
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return {"runs": runs, "median": {k: statistics.median(r[k] for r in runs if r.get(k) is not None) for k in keys}}
 
 if __name__ == "__main__":
     raise SystemExit(main())
