@@ -258,3 +258,30 @@ def test_block_start_tau_walks_the_positions_a_greedy_engine_drafts_from():
     assert block_start_tau([accepted], 1) == 5 / 3
     # every-anchor mean would be 1 + mean(min(acc, 3)) = 1.6: block starts are not average positions
     assert block_start_tau([accepted, np.array([0, 0])], 3) == (3 + 2 + 1 + 1) / 4
+
+
+def test_grown_drafter_drafts_as_the_old_one_and_its_new_layer_trains(setup, tmp_path):
+    """--grow-layers: a saved 2-layer drafter loaded as 3 layers gives the same block logits (the new layer
+    starts as an identity), saves and reloads as 3 layers, and the loss moves the new layer's output projection."""
+    from specjax.drafter.loader import load_drafter, save_drafter
+    from specjax.train.trainer import DFlashMethod
+
+    target, cfg, weights, tokens, taps, loss_mask, lengths = setup
+    save_drafter(str(tmp_path / "two"), cfg, weights)
+    grown_cfg = dataclasses.replace(cfg, num_layers=3)
+    method = DFlashMethod(grown_cfg, Q, 6, 4.0)
+    grown = method.load(str(tmp_path / "two"), target.config)
+    assert len(grown.layers) == 3 and not np.asarray(grown.layers[2].w_o).any()
+    w = target.weights
+    anchors, keep = sample_anchors(np.random.default_rng(5), loss_mask, lengths, 6, Q)
+    args = (w.embed, w.output_head, jnp.asarray(tokens), jnp.asarray(taps))
+    before = block_logits(weights, cfg, *args, jnp.asarray(anchors), jnp.asarray(keep), Q)
+    after = block_logits(grown, grown_cfg, *args, jnp.asarray(anchors), jnp.asarray(keep), Q)
+    np.testing.assert_allclose(np.asarray(after), np.asarray(before), atol=1e-5, rtol=1e-5)
+    grad = jax.grad(lambda p: dflash_loss(p, grown_cfg, *args, jnp.asarray(loss_mask), jnp.asarray(lengths),
+                                          jnp.asarray(anchors), jnp.asarray(keep), block_size=Q, gamma=4.0)[0])(grown)
+    assert np.abs(np.asarray(grad.layers[2].w_o)).max() > 0
+    method.save(str(tmp_path / "three"), grown)
+    assert load_drafter(str(tmp_path / "three"), target.config)[0].num_layers == 3
+    with pytest.raises(ValueError, match="cannot grow a 2-layer drafter to 1"):
+        DFlashMethod(dataclasses.replace(cfg, num_layers=1), Q, 6, 4.0).load(str(tmp_path / "two"), target.config)

@@ -218,6 +218,19 @@ def test_train_drafter_draft_vocab_simulated_tau_init_and_time_limit(tiny_dirs, 
     out3, _ = run_cli(common[:9] + ["--target-layer-ids", "2"] + common[11:] + [
         "--out", out + "3", "--steps", "2", "--init-target-layers", "3", "--draft-vocab-size", "0"])
     assert json.loads(out3.strip().splitlines()[-1])["steps"] == 2
+    # --grow-layers: the first drafter plus an identity layer simulates exactly its tau at step 0, then trains
+    curve4 = str(tmp_path / "curve4.jsonl")
+    run_cli(common[:-4] + ["--log", curve4, "--compile-cache", "", "--out", out + "4", "--steps", "1",
+                           "--init", os.path.join(out, "drafter"), "--grow-layers", "1", "--draft-vocab-size", "100"])
+    grown = [r for r in map(json.loads, open(curve4)) if "sim" in r]
+    assert grown[0]["step"] == 0 and grown[0]["sim"]["all"]["tau"] == tau
+    assert load_drafter(os.path.join(out + "4", "drafter"), load_model(tiny_dirs["qwen3"]).config)[0].num_layers == 2
+    import subprocess
+    import sys
+
+    bad = subprocess.run([sys.executable, "-m", "specjax.cli", *common, "--out", out + "5", "--grow-layers", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--grow-layers appends layers to a DFlash --init drafter" in bad.stderr
 
 
 def test_reference_answers_store_like_regenerated_ones_and_merge_with_their_features(tiny_dirs, tmp_path):

@@ -152,6 +152,10 @@ def cmd_train_drafter(args) -> int:
 
     if args.dpace_alpha is not None and (args.method != "dflash" or not 0.0 < args.dpace_alpha <= 1.0):
         raise SystemExit(f"error: --dpace-alpha {args.dpace_alpha} needs --method dflash and 0 < alpha <= 1")
+    if args.grow_layers < 0:
+        raise SystemExit(f"error: --grow-layers must be >= 0, got {args.grow_layers}")
+    if args.grow_layers and not (args.method == "dflash" and args.init):
+        raise SystemExit("error: --grow-layers appends layers to a DFlash --init drafter; name one with --init")
     enable_compile_cache(args.compile_cache)
     target = load_model(args.target, DTYPES["float32"])
     store = TokenStore(args.data)
@@ -176,7 +180,8 @@ def cmd_train_drafter(args) -> int:
             from specjax.drafter.loader import load_drafter
 
             dcfg, _ = load_drafter(args.init, target.config)
-            dcfg = dataclasses.replace(dcfg, draft_vocab_size=0 if draft_ids is None else len(draft_ids))
+            dcfg = dataclasses.replace(dcfg, draft_vocab_size=0 if draft_ids is None else len(draft_ids),
+                                       num_layers=dcfg.num_layers + args.grow_layers)
             cfg = dataclasses.replace(cfg, block_size=dcfg.block_size)
         else:
             dcfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block_size,
@@ -317,6 +322,9 @@ def register(sub) -> None:
     t.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
     t.add_argument("--init", default=None, help="DFlash: start from this drafter's weights (fresh optimizer), e.g. "
                    "the shipped one, and append to --log")
+    t.add_argument("--grow-layers", type=int, default=0,
+                   help="DFlash with --init: append this many layers, each starting as an identity (zero output "
+                        "projections), so training starts from the init drafter's exact drafts with more capacity")
     t.add_argument("--init-target-layers", default=None,
                    help="DFlash: start the drafter as a copy of these target layers (one per drafter layer, e.g. "
                         "28,29; the first must be tapped: its input is a hidden-state index of the taps)")

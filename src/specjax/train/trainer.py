@@ -178,6 +178,23 @@ def init_from_target(params, dcfg: DrafterConfig, target, layers: tuple[int, ...
     return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), params)
 
 
+def grow_layers(params, dcfg: DrafterConfig, key):
+    """Append layers to a trained drafter up to `dcfg.num_layers`, each an identity at first: fresh random
+    q/k/v and MLP input matrices but zero output projections (w_o, w_down), so the grown drafter drafts exactly as
+    the old one until training moves them (the final norm sees the same residual stream)."""
+    from specjax.drafter.loader import init_drafter
+
+    extra = dcfg.num_layers - len(params.layers)
+    if extra < 0:
+        raise ValueError(f"cannot grow a {len(params.layers)}-layer drafter to {dcfg.num_layers} layers")
+    if extra == 0:
+        return params
+    fresh = init_drafter(dataclasses.replace(dcfg, num_layers=extra), key, dtype=params.fc.dtype).layers
+    new = tuple(dataclasses.replace(layer, w_o=jnp.zeros_like(layer.w_o), w_down=jnp.zeros_like(layer.w_down))
+                for layer in fresh)
+    return dataclasses.replace(params, layers=tuple(params.layers) + new)
+
+
 MUON_MATRICES = ("fc", "w_q", "w_kv", "w_o", "w_gate_up", "w_down")
 
 
@@ -283,7 +300,9 @@ class DFlashMethod:
         save_drafter(path, self.dcfg, self.full(params), dtype=dtype)
 
     def load(self, path, tcfg):
-        return dataclasses.replace(load_drafter(path, tcfg)[1], draft_ids=None)
+        """A saved drafter's weights, grown to this method's layer count when it has fewer (`grow_layers`)."""
+        params = dataclasses.replace(load_drafter(path, tcfg)[1], draft_ids=None)
+        return grow_layers(params, self.dcfg, jax.random.PRNGKey(len(params.layers)))
 
     def evaluate(self, target, params, prompts, max_new_tokens):
         from specjax.spec.proposer import DFlashProposer
