@@ -285,3 +285,60 @@ def test_grown_drafter_drafts_as_the_old_one_and_its_new_layer_trains(setup, tmp
     assert load_drafter(str(tmp_path / "three"), target.config)[0].num_layers == 3
     with pytest.raises(ValueError, match="cannot grow a 2-layer drafter to 1"):
         DFlashMethod(dataclasses.replace(cfg, num_layers=1), Q, 6, 4.0).load(str(tmp_path / "two"), target.config)
+
+
+def test_distillation_teacher_is_the_targets_own_next_token_distribution(setup):
+    """--distill: the teacher logits of slot k at anchor a are the target's own logits for x[a + k] (a full target
+    forward, draft-vocabulary columns); with distill = 1 the loss is the weighted KL computed by hand, it is 0
+    when the teacher is the drafter itself, and distill = 0 gives the plain loss; through DFlashMethod the
+    teacher tap rides after the drafter's taps and a few steps reduce the mixed loss."""
+    from specjax.train.objective import teacher_logits
+    from specjax.train.trainer import DFlashMethod
+
+    target, cfg, weights, tokens, taps, loss_mask, lengths = setup
+    w, n = target.weights, target.config.num_layers
+    final = np.zeros((*tokens.shape, target.config.hidden_size), np.float32)
+    full_logits = []
+    for i, length in enumerate(lengths):
+        lg, h = full_forward(w, target.config, list(tokens[i, :length]), (n,))
+        final[i, :length], _ = np.asarray(h), full_logits.append(lg)
+    ids = np.sort(np.random.default_rng(3).choice(target.config.vocab_size, 120, replace=False))
+    head = w.output_head[:, ids]
+    anchors, keep = sample_anchors(np.random.default_rng(8), loss_mask, lengths, 5, Q)
+    teacher = np.asarray(teacher_logits(jnp.asarray(final), w.final_norm, target.config.rms_norm_eps, head,
+                                        jnp.asarray(anchors), Q))
+    for i in range(2):
+        for j in range(anchors.shape[1]):
+            for k in range(1, Q):
+                np.testing.assert_allclose(teacher[i, j, k - 1], full_logits[i][anchors[i, j] + k - 1][ids],
+                                           atol=2e-4, rtol=2e-4)
+    args = (w.embed, w.output_head, jnp.asarray(tokens), jnp.asarray(taps), jnp.asarray(loss_mask),
+            jnp.asarray(lengths), jnp.asarray(anchors), jnp.asarray(keep))
+    full_teacher = teacher_logits(jnp.asarray(final), w.final_norm, target.config.rms_norm_eps, w.output_head,
+                                  jnp.asarray(anchors), Q)
+    plain, _ = dflash_loss(weights, cfg, *args, block_size=Q, gamma=4.0)
+    assert float(dflash_loss(weights, cfg, *args, block_size=Q, gamma=4.0, teacher=full_teacher, distill=0.0)[0]) \
+        == float(plain)
+    logits = np.asarray(block_logits(weights, cfg, w.embed, w.output_head, args[2], args[3], args[6], args[7], Q))
+    _, wts = labels_and_weights(*(args[i] for i in (2, 4, 5, 6, 7)), Q, 4.0)
+    ft = np.asarray(full_teacher, np.float64)
+    log_p = ft - ft.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    log_q = logits - logits.max(-1, keepdims=True)
+    log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+    expect = (np.asarray(wts) * kl).sum() / (np.asarray(wts).sum() + 1e-6)
+    loss, _ = dflash_loss(weights, cfg, *args, block_size=Q, gamma=4.0, teacher=full_teacher, distill=1.0)
+    assert float(loss) == pytest.approx(expect, rel=1e-4) and expect > 0.1
+    own, _ = dflash_loss(weights, cfg, *args, block_size=Q, gamma=4.0, teacher=jnp.asarray(logits), distill=1.0)
+    assert abs(float(own)) < 1e-4
+    method = DFlashMethod(cfg, Q, 5, 4.0, draft_ids=tuple(int(i) for i in ids), distill=0.5, teacher_tap=n,
+                          teacher_eps=target.config.rms_norm_eps)
+    assert method.tap_indices == cfg.hidden_state_indices + (n,)
+    with pytest.raises(ValueError, match="teacher_tap"):
+        DFlashMethod(cfg, Q, 5, 4.0, distill=0.5)
+    consts = method.constants(target)
+    both = jnp.concatenate([jnp.asarray(taps), jnp.asarray(final)], axis=-1)
+    extra = (jnp.asarray(anchors), jnp.asarray(keep))
+    losses = adam_losses(lambda p: method.loss(p, consts, args[2], both, args[4], args[5], extra), weights, 30)
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -219,16 +219,20 @@ def test_train_drafter_draft_vocab_simulated_tau_init_and_time_limit(tiny_dirs, 
         "--out", out + "3", "--steps", "2", "--init-target-layers", "3", "--draft-vocab-size", "0"])
     assert json.loads(out3.strip().splitlines()[-1])["steps"] == 2
     # --grow-layers: the first drafter plus an identity layer simulates exactly its tau at step 0, then trains
+    # (with --distill: online features then carry the target's last layer, hidden state 4, for the teacher)
     curve4 = str(tmp_path / "curve4.jsonl")
     out4, _ = run_cli(common[:-4] + ["--log", curve4, "--compile-cache", "", "--out", out + "4", "--steps", "1",
                                      "--init", os.path.join(out, "drafter"), "--grow-layers", "1",
-                                     "--draft-vocab-size", "100"])
+                                     "--draft-vocab-size", "100", "--distill", "0.5"])
+    assert json.load(open(os.path.join(out + "4", "train_config.json")))["train"]["distill"] == 0.5
     grown = [r for r in map(json.loads, open(curve4)) if "sim" in r]
     assert grown[0]["step"] == 0 and grown[0]["sim"]["all"]["tau"] == tau
     assert json.loads(out4.strip().splitlines()[-1])["steps"] == 1
     assert load_drafter(os.path.join(out + "4", "drafter"), load_model(tiny_dirs["qwen3"]).config)[0].num_layers == 2
     _, err = run_cli(common + ["--out", out + "5", "--grow-layers", "1"], ok=False)
     assert "--grow-layers appends layers to a DFlash --init drafter" in err
+    _, err = run_cli(common + ["--out", out + "6", "--distill", "1.5"], ok=False)
+    assert "--distill 1.5 needs --method dflash and 0 <= weight <= 1" in err
 
 
 def test_reference_answers_store_like_regenerated_ones_and_merge_with_their_features(tiny_dirs, tmp_path):

@@ -152,6 +152,8 @@ def cmd_train_drafter(args) -> int:
 
     if args.dpace_alpha is not None and (args.method != "dflash" or not 0.0 < args.dpace_alpha <= 1.0):
         raise SystemExit(f"error: --dpace-alpha {args.dpace_alpha} needs --method dflash and 0 < alpha <= 1")
+    if not 0.0 <= args.distill <= 1.0 or (args.distill and args.method != "dflash"):
+        raise SystemExit(f"error: --distill {args.distill} needs --method dflash and 0 <= weight <= 1")
     if args.grow_layers < 0:
         raise SystemExit(f"error: --grow-layers must be >= 0, got {args.grow_layers}")
     if args.grow_layers and not (args.method == "dflash" and args.init):
@@ -163,7 +165,7 @@ def cmd_train_drafter(args) -> int:
     cfg = TrainConfig(block_size=args.block_size, batch_size=args.batch_size, num_anchors=args.num_anchors,
                       max_len=args.max_len, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
                       weight_decay=args.weight_decay, gamma=args.gamma, dpace_alpha=args.dpace_alpha, seed=args.seed,
-                      save_every=args.save_every,
+                      distill=args.distill, save_every=args.save_every,
                       eval_every=args.eval_every, schedule=args.schedule, optimizer=args.optimizer,
                       max_hours=args.max_hours, sim_every=args.sim_every, log_every=args.log_every)
     vocab = target.config.vocab_size
@@ -192,7 +194,8 @@ def cmd_train_drafter(args) -> int:
         init_layers = tuple(int(x) for x in args.init_target_layers.split(",")) if args.init_target_layers else None
         method = DFlashMethod(dcfg, cfg.block_size, args.num_anchors, cfg.decay,
                               draft_ids=None if draft_ids is None else tuple(int(i) for i in draft_ids),
-                              init_layers=init_layers, dpace_alpha=cfg.dpace_alpha)
+                              init_layers=init_layers, dpace_alpha=cfg.dpace_alpha, distill=cfg.distill,
+                              teacher_tap=target.config.num_layers, teacher_eps=target.config.rms_norm_eps)
     else:
         from specjax.drafter.eagle3_loader import eagle3_config_for
 
@@ -311,6 +314,10 @@ def register(sub) -> None:
     t.add_argument("--dpace-alpha", type=float, default=None,
                    help="DFlash: D-PACE slot weights (from the drafter's own confidence, smoothed by this alpha, "
                         "e.g. 0.5) instead of the fixed decay")
+    t.add_argument("--distill", type=float, default=0.0,
+                   help="DFlash: mix this weight of KL to the target's own next-token distribution into each slot's "
+                        "loss (soft labels; needs the target's last-layer output, hidden state num_layers, in "
+                        "--features)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--eval-every", type=int, default=500)

@@ -123,13 +123,30 @@ def dpace_weights(ce, inside, scored, alpha: float):
     return jnp.flip(jnp.cumsum(jnp.flip(prefix, -1), -1), -1) * scored
 
 
+def teacher_logits(final_hidden, final_norm, eps: float, output_head, anchors, block_size: int):
+    """The target's own next-token logits for slots 1..Q-1 of every block: slot k of anchor a predicts x[a + k],
+    which the target scores from its last layer's output at a + k - 1 (final norm, then the head).
+
+    final_hidden [Bt, S, H] (hidden-state index num_layers, before the final norm), output_head [H, V] (or the
+    draft vocabulary's rows) -> float32 [Bt, N, Q-1, V], no gradient (the target is frozen)."""
+    pos = anchors[:, :, None] + jnp.arange(block_size - 1)[None, None, :]  # a + k - 1 for k = 1..Q-1
+    pos = jnp.minimum(pos, final_hidden.shape[1] - 1)
+    h = final_hidden[jnp.arange(final_hidden.shape[0])[:, None, None], pos]  # [Bt, N, Q-1, H]
+    h = rms_norm(h, final_norm, eps)
+    return jax.lax.stop_gradient(jnp.einsum("bnkd,dv->bnkv", h, output_head, preferred_element_type=jnp.float32))
+
+
 def dflash_loss(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, tokens, taps, loss_mask, lengths,
-                anchors, keep, block_size: int, gamma: float, t2d=None, dpace_alpha: float | None = None):
+                anchors, keep, block_size: int, gamma: float, t2d=None, dpace_alpha: float | None = None,
+                teacher=None, distill: float = 0.0):
     """Weighted cross-entropy (sum w * CE / sum w) and unweighted accuracy / per-slot accuracy over the mask.
 
     With a draft vocabulary, `output_head` holds its rows [H, V_d] and `t2d` [V] maps target ids to draft
     indices (-1 outside): labels outside the draft vocabulary get no loss and count as misses in the accuracy.
     `dpace_alpha`: weight slots by D-PACE (`dpace_weights`) instead of the fixed exp(-(k-1)/gamma) decay.
+    `teacher` [Bt, N, Q-1, V(_d)] (`teacher_logits`) with `distill` in (0, 1]: each slot's loss becomes
+    (1 - distill) * CE(label) + distill * KL(softmax(teacher) || drafter), the target's whole next-token
+    distribution (over the draft vocabulary when there is one) as a soft label, under the same slot weights.
     """
     logits = block_logits(weights, cfg, embed, output_head, tokens, taps, anchors, keep, block_size)
     labels, w = labels_and_weights(tokens, loss_mask, lengths, anchors, keep, block_size, gamma)
@@ -142,7 +159,12 @@ def dflash_loss(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, 
     ce = logz - target
     if dpace_alpha is not None:
         w = dpace_weights(ce, valid > 0, w > 0, dpace_alpha)
-    loss = (w * ce).sum() / (w.sum() + 1e-6)
+    per_slot_loss = ce
+    if teacher is not None and distill > 0.0:
+        log_p = jax.nn.log_softmax(teacher, axis=-1)
+        kl = jnp.sum(jnp.exp(log_p) * (log_p - (logits - logz[..., None])), axis=-1)
+        per_slot_loss = (1.0 - distill) * ce + distill * kl
+    loss = (w * per_slot_loss).sum() / (w.sum() + 1e-6)
     correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * valid
     per_slot = correct.sum((0, 1)) / jnp.maximum(valid.sum((0, 1)), 1.0)
     return loss, {"acc": correct.sum() / jnp.maximum(valid.sum(), 1.0), "acc_per_slot": per_slot,

@@ -25,7 +25,7 @@ from specjax.config import DrafterConfig, EngineConfig, ModelConfig
 from specjax.drafter.eagle3 import Eagle3Config
 from specjax.drafter.loader import load_drafter, save_drafter
 from specjax.model import target as tgt
-from specjax.train.objective import dflash_loss, sample_anchors, simulated_acceptance
+from specjax.train.objective import dflash_loss, sample_anchors, simulated_acceptance, teacher_logits
 from specjax.train.store import TokenStore
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float | None = None  # loss decay; None = paper values (7 for Q=16, 5 for Q=10, 4 for Q=8)
     dpace_alpha: float | None = None  # DFlash: D-PACE slot weights with this smoothing instead of the decay
+    distill: float = 0.0  # DFlash: weight of the KL to the target's next-token distribution in each slot's loss
     seed: int = 0
     save_every: int = 200
     eval_every: int = 500
@@ -240,10 +241,25 @@ class DFlashMethod:
     draft_ids: tuple[int, ...] | None = None
     init_layers: tuple[int, ...] | None = None  # copy these target layers into the drafter (see init_from_target)
     dpace_alpha: float | None = None  # D-PACE slot weights (objective.dpace_weights) instead of the fixed decay
+    distill: float = 0.0  # weight of the KL to the target's own next-token distribution (objective.dflash_loss)
+    teacher_tap: int | None = None  # hidden-state index of the target's last layer (its num_layers), for distill
+    teacher_eps: float = 1e-6  # the target's rms_norm_eps (its final norm)
+
+    def __post_init__(self):
+        if self.distill and self.teacher_tap is None:
+            raise ValueError("distillation needs teacher_tap (the target's num_layers)")
 
     @property
     def tap_indices(self):
-        return self.dcfg.hidden_state_indices
+        """The drafter's taps, then (when distilling) the target's last-layer output the teacher logits come from."""
+        return self.dcfg.hidden_state_indices + ((self.teacher_tap,) if self.distill else ())
+
+    def split_taps(self, taps):
+        """Batch taps [.., F*H (+ H)] -> (the drafter's, the teacher's final hidden state or None)."""
+        if not self.distill:
+            return taps, None
+        h = self.dcfg.target_hidden_size
+        return taps[..., :-h], taps[..., -h:]
 
     @property
     def sim_span(self) -> int:
@@ -254,8 +270,8 @@ class DFlashMethod:
         from specjax.drafter.loader import init_drafter
 
         params = init_drafter(self.dcfg, key, dtype=target.weights.embed.dtype)
-        if tap_rms is not None:
-            params = dataclasses.replace(params, fc=scale_fc_init(params.fc, tap_rms))
+        if tap_rms is not None:  # (a teacher tap comes last and is not an input of fc)
+            params = dataclasses.replace(params, fc=scale_fc_init(params.fc, tap_rms[:params.fc.shape[0]]))
         if params.mask_embedding is not None:  # start the learned mask at the typical embedding, not at noise
             params = dataclasses.replace(params, mask_embedding=jnp.mean(target.weights.embed, axis=0))
         if params.slot_embedding is not None:  # offsets at half the typical embedding norm: distinct from step 0
@@ -268,12 +284,13 @@ class DFlashMethod:
 
     def constants(self, target):
         head = target.weights.output_head
+        final_norm = target.weights.final_norm if self.distill else None
         if self.draft_ids is None:
-            return (target.weights.embed, head, None)
+            return (target.weights.embed, head, None, final_norm)
         ids = np.asarray(self.draft_ids)
         t2d = -np.ones(self.dcfg.vocab_size, np.int32)
         t2d[ids] = np.arange(len(ids))
-        return (target.weights.embed, jnp.take(head, jnp.asarray(ids), axis=1), jnp.asarray(t2d))
+        return (target.weights.embed, jnp.take(head, jnp.asarray(ids), axis=1), jnp.asarray(t2d), final_norm)
 
     def host_inputs(self, step_seed, mask, lengths):
         anchors, keep = sample_anchors(np.random.default_rng(step_seed), mask, lengths, self.num_anchors,
@@ -281,14 +298,18 @@ class DFlashMethod:
         return (jnp.asarray(anchors), jnp.asarray(keep))
 
     def loss(self, params, consts, tokens, taps, mask, lengths, extra):
-        embed, head, t2d = consts
+        embed, head, t2d, final_norm = consts
+        taps, final_hidden = self.split_taps(taps)
+        teacher = None
+        if final_hidden is not None:
+            teacher = teacher_logits(final_hidden, final_norm, self.teacher_eps, head, extra[0], self.block_size)
         return dflash_loss(params, self.dcfg, embed, head, tokens, taps, mask, lengths, *extra, self.block_size,
-                           self.gamma, t2d, self.dpace_alpha)
+                           self.gamma, t2d, self.dpace_alpha, teacher, self.distill)
 
     def simulate(self, params, consts, tokens, taps, mask, lengths, anchors, keep):
-        embed, head, t2d = consts
-        return simulated_acceptance(params, self.dcfg, embed, head, tokens, taps, mask, lengths, anchors, keep,
-                                    self.block_size, t2d)
+        embed, head, t2d, _ = consts
+        return simulated_acceptance(params, self.dcfg, embed, head, tokens, self.split_taps(taps)[0], mask, lengths,
+                                    anchors, keep, self.block_size, t2d)
 
     def full(self, params):
         """Trainable params -> a complete drafter (the draft vocabulary attached)."""
