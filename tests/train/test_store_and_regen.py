@@ -125,14 +125,18 @@ def test_feature_cache_matches_online_features_and_resumes(tiny_dirs, tmp_path):
     class Crash(Exception):
         pass
 
-    def crash_after_first(done, total):
-        raise Crash
+    calls = []
 
-    with pytest.raises(Crash):  # an interrupted build keeps what it finished
+    def crash_after_second(done, total):  # windows of 2: [s1 (33 tokens), s0 (70)] are two forwards, then s2..
+        calls.append(done)
+        if len(calls) == 2:
+            raise Crash
+
+    with pytest.raises(Crash):  # an interrupted build keeps the windows it finished
         build_feature_cache(target, store, str(tmp_path / "c"), taps, max_len=96, batch_tokens=128,
-                            progress=crash_after_first)
+                            progress=crash_after_second, window=2)
     partial = FeatureCache(str(tmp_path / "c"))
-    assert 0 < partial.meta["done"] < len(lens) and not partial.complete
+    assert calls == [1, 2] and partial.meta["done"] == 2 and not partial.complete
     with pytest.raises(ValueError, match="incomplete"):
         partial.check(store, taps, target.config.hidden_size, 96)
     cache = build_feature_cache(target, store, str(tmp_path / "c"), taps, max_len=96, batch_tokens=128)

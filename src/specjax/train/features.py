@@ -78,11 +78,14 @@ class FeatureCache:
 
 
 def build_feature_cache(target, store: TokenStore, out: str, tap_indices, max_len: int, batch_tokens: int = 2048,
-                        progress=None, mesh=None) -> FeatureCache:
+                        progress=None, mesh=None, window: int = 256) -> FeatureCache:
     """Run the frozen target over every stored sequence once and write its taps (resumes a partial cache, and
     extends a complete one when the store has grown since: `specjax regenerate` only appends).  `mesh`: split
     each forward's sequences over its devices (the target replicated there); a target loaded tensor-parallel
-    runs split as it is."""
+    runs split as it is.  Sequences go in windows of `window` in store order, sorted by length inside a window
+    so that the sequences of one forward have similar lengths (on the SmolLM2 store 89% of the computed rows are
+    real tokens, 68% in store order); the resume point advances a window at a time.  `progress(done, total)`
+    is called after every forward."""
     from specjax.parallel import mesh_size, replicate, shard_batch
     from specjax.train.trainer import target_features
 
@@ -110,39 +113,42 @@ def build_feature_cache(target, store: TokenStore, out: str, tap_indices, max_le
     data = np.memmap(path, np.float16, "r+", shape=(rows, len(tap_indices), hidden))
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     tokens_all = store.tokens()
-    todo = list(range(meta["done"], len(lengths)))
-    while todo:
-        # greedy groups in store order; rows per call fixed by the width bucket, so few shapes compile
-        width = -(-lengths[todo[0]] // 64) * 64
-        group = [todo[0]]
-        for j in todo[1:]:
-            w = max(width, -(-lengths[j] // 64) * 64)
-            if (len(group) + 1) * w > batch_tokens:
-                break
-            group.append(j)
-            width = w
-        del todo[:len(group)]
-        rows_per_call = -(-max(1, batch_tokens // width) // mesh_size(mesh)) * mesh_size(mesh)
-        toks = np.zeros((rows_per_call, width), np.int32)
-        for r, j in enumerate(group):
-            rec = store.index[j]
-            toks[r, :lengths[j]] = tokens_all[rec["offset"]:rec["offset"] + lengths[j]]
-        taps = np.asarray(target_features(weights, shard_batch(jnp.asarray(toks), mesh), target.config,
-                                          tap_indices))
-        taps = taps.reshape(rows_per_call, width, len(tap_indices), hidden)
-        for r, j in enumerate(group):
-            x = taps[r, :lengths[j]]
-            peak = float(np.abs(x).max())
-            if not np.isfinite(peak) or peak > F16_MAX:
-                raise ValueError(f"target taps reach {peak:.3g} on sequence {store.index[j]['id']}: beyond float16; "
-                                 "train with online features instead")
-            data[offsets[j]:offsets[j] + lengths[j]] = x.astype(np.float16)
-        data.flush()
-        meta["done"] = group[-1] + 1
-        with open(meta_path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump(meta, fh)
-        os.replace(meta_path + ".tmp", meta_path)
-        if progress is not None:
-            progress(meta["done"], len(lengths))
+    for start in range(meta["done"], len(lengths), window):
+        end = min(start + window, len(lengths))
+        todo = sorted(range(start, end), key=lambda j: lengths[j])
+        while todo:
+            # greedy groups of similar lengths; rows per call fixed by the width bucket, so few shapes compile
+            width = -(-lengths[todo[0]] // 64) * 64
+            group = [todo[0]]
+            for j in todo[1:]:
+                w = max(width, -(-lengths[j] // 64) * 64)
+                if (len(group) + 1) * w > batch_tokens:
+                    break
+                group.append(j)
+                width = w
+            del todo[:len(group)]
+            rows_per_call = -(-max(1, batch_tokens // width) // mesh_size(mesh)) * mesh_size(mesh)
+            toks = np.zeros((rows_per_call, width), np.int32)
+            for r, j in enumerate(group):
+                rec = store.index[j]
+                toks[r, :lengths[j]] = tokens_all[rec["offset"]:rec["offset"] + lengths[j]]
+            taps = np.asarray(target_features(weights, shard_batch(jnp.asarray(toks), mesh), target.config,
+                                              tap_indices))
+            taps = taps.reshape(rows_per_call, width, len(tap_indices), hidden)
+            for r, j in enumerate(group):
+                x = taps[r, :lengths[j]]
+                peak = float(np.abs(x).max())
+                if not np.isfinite(peak) or peak > F16_MAX:
+                    raise ValueError(f"target taps reach {peak:.3g} on sequence {store.index[j]['id']}: beyond "
+                                     "float16; train with online features instead")
+                data[offsets[j]:offsets[j] + lengths[j]] = x.astype(np.float16)
+            if not todo:  # the window is written: it becomes the resume point
+                data.flush()
+                meta["done"] = end
+                with open(meta_path + ".tmp", "w", encoding="utf-8") as fh:
+                    json.dump(meta, fh)
+                os.replace(meta_path + ".tmp", meta_path)
+            if progress is not None:
+                progress(end - len(todo), len(lengths))
     del data
     return FeatureCache(out)
