@@ -129,12 +129,13 @@ def plain_and_random_dflash(cfg, weights, ids: list[int], max_new_tokens: int, m
 
 
 def kernels_expected() -> bool:
-    """Whether specjax's CPU kernels must build and run here (AVX-512F and a C++ compiler, not disabled)."""
+    """Whether specjax's CPU kernels must build and run here (AVX-512F or AVX2 + FMA, a C++ compiler, not
+    disabled)."""
     import shutil
 
-    from specjax.kernels import cpu_flags
+    from specjax.kernels import cpu_flags, simd_isa
 
-    return ("avx512f" in cpu_flags().split() and bool(os.environ.get("CXX") or shutil.which("g++"))
+    return (simd_isa(cpu_flags()) is not None and bool(os.environ.get("CXX") or shutil.which("g++"))
             and os.environ.get("SPECJAX_KERNELS", "1") != "0")
 
 

@@ -16,8 +16,8 @@ def native_kernel() -> str:
     k = quant_kernels()
     if k is None:
         if kernels_expected():  # a kernel that stops compiling must fail here, not skip
-            pytest.fail("the CPU kernels did not build on a CPU with AVX-512F and a C++ compiler")
-        pytest.skip("this machine has no AVX-512F or no C++ compiler")
+            pytest.fail("the CPU kernels did not build on a CPU with AVX-512F or AVX2 + FMA and a C++ compiler")
+        pytest.skip("this machine has neither AVX-512F nor AVX2 + FMA, or no C++ compiler")
     return k.attention
 
 

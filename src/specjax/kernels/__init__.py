@@ -3,8 +3,9 @@
 A kernel library is built once per (source, compiler, jaxlib, CPU flags) into `$SPECJAX_KERNEL_CACHE` (default
 ~/.cache/specjax/kernels) and loaded with ctypes; its XLA FFI handlers are registered under names that carry the
 build key, so a changed kernel never matches a stale entry of the persistent compilation cache.  Where a kernel
-cannot run (no C++ compiler, no AVX-512F, a non-CPU backend, `SPECJAX_KERNELS=0`) `quant_kernels()` returns None
-with the reason logged once, and callers keep the plain XLA path.
+cannot run (no C++ compiler, neither AVX-512F nor AVX2 + FMA, a non-CPU backend, `SPECJAX_KERNELS=0`)
+`quant_kernels()` returns None with the reason logged once, and callers keep the plain XLA path.  The kernels are
+written once over the vector operations of kernels/simd.h; `-march=native` picks its AVX-512 or AVX2 half.
 """
 
 from __future__ import annotations
@@ -58,11 +59,25 @@ def cpu_flags() -> str:
     return ""
 
 
+def simd_isa(flags: str) -> str | None:
+    """The vector instruction set the kernels build for on a CPU with these /proc/cpuinfo flags, or None."""
+    names = set(flags.split())
+    if "avx512f" in names:
+        return "AVX-512F"
+    if {"avx2", "fma"} <= names:
+        return "AVX2"
+    return None
+
+
 def build(source: str, include_dir: str, out_dir: str, compiler: str, extra_key: str = "") -> str:
     """Compile `source` into out_dir (atomically; concurrent builders race harmlessly) unless a library with the
-    same key is already there.  -> the library's path.  Raises KernelUnavailable with the compiler's output."""
-    with open(source, "rb") as fh:
-        code = fh.read()
+    same key is already there.  The key covers the source and the headers beside it (simd.h).  -> the library's
+    path.  Raises KernelUnavailable with the compiler's output."""
+    here = os.path.dirname(source)
+    code = b""
+    for name in [os.path.basename(source)] + sorted(f for f in os.listdir(here) if f.endswith(".h")):
+        with open(os.path.join(here, name), "rb") as fh:
+            code += name.encode() + b"\0" + fh.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join([code, version.encode(), " ".join(CXX_FLAGS).encode(),
                                      extra_key.encode()])).hexdigest()[:16]
@@ -94,8 +109,8 @@ def _load_quant_kernels() -> QuantKernels:
     if jax.default_backend() != "cpu":
         raise KernelUnavailable(f"the kernels are for the CPU backend, not {jax.default_backend()}")
     flags = cpu_flags()
-    if "avx512f" not in flags.split():
-        raise KernelUnavailable("this CPU has no AVX-512F")
+    if simd_isa(flags) is None:
+        raise KernelUnavailable("this CPU has neither AVX-512F nor AVX2 + FMA")
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")

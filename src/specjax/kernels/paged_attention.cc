@@ -11,47 +11,24 @@
 // so the cache's share of a verification row is bit-identical to plain decoding's.
 //
 // Shapes: q [K, B, R, H] (R = query rows per KV head), k_pool / v_pool [K, P, Z, H], page_table [B, Pg] int32,
-// lengths [B] int32; H a multiple of 16 up to 256.  (KV head, sequence) pairs are split over the XLA:CPU
+// lengths [B] int32; H a multiple of 16 up to 256.  AVX-512F or AVX2 + FMA (simd.h).  (KV head, sequence) pairs are split over the XLA:CPU
 // intra-op thread pool.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <vector>
 
-#include <immintrin.h>
-
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
-
-#if !defined(__AVX512F__)
-#error "specjax kernels need AVX-512F (the caller falls back to XLA when this does not build)"
-#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr float kMask = -1e30f;  // model/layers.py MASK_VALUE
-constexpr int kMaxVec = 16;      // H <= 256
+using namespace specjax_simd;
 
-// exp(x) for x <= 0 (scores minus their maximum): Cody-Waite range reduction and a degree-6 Taylor polynomial
-// (truncation below 1.3e-7 relative on the reduced range); arguments below -87 give 0.
-inline __m512 Exp(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_scalef_ps(p, n));
-}
+constexpr float kMask = -1e30f;  // model/layers.py MASK_VALUE
+constexpr int kMaxVec = 256 / kLanes;  // H <= 256
 
 struct Args {
   const float *q, *k_pool, *v_pool;
@@ -61,11 +38,11 @@ struct Args {
   float scale;
 };
 
-// One (KV head, sequence) pair.  Scores are kept transposed, st[s, r] (rows padded to whole vectors of 16), so
-// that one vector holds 16 query rows' scores for one cached position: a score is sum_h q[r, h] k[s, h]
+// One (KV head, sequence) pair.  Scores are kept transposed, st[s, r] (rows padded to whole vectors of kLanes),
+// so that one vector holds kLanes query rows' scores for one cached position: a score is sum_h q[r, h] k[s, h]
 // accumulated in h order in its own lane, the same arithmetic for every row whatever R is.
 void Pair(const Args& a, int64_t kh, int64_t b, std::vector<float>& qt, std::vector<float>& st) {
-  const int64_t H = a.head_dim, R = a.rows, Z = a.page_size, nv = H / 16, rp = (R + 15) / 16 * 16;
+  const int64_t H = a.head_dim, R = a.rows, Z = a.page_size, nv = H / kLanes, rp = (R + kLanes - 1) / kLanes * kLanes;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(a.lengths[b], 0), a.table_width * Z);
   const float* q = a.q + (kh * a.batch + b) * R * H;
   float* o = a.o + (kh * a.batch + b) * R * H;
@@ -92,43 +69,42 @@ void Pair(const Args& a, int64_t kh, int64_t b, std::vector<float>& qt, std::vec
     const int64_t cnt = n - s0 < kS ? n - s0 : kS;
     const float* kr[kS];
     for (int64_t i = 0; i < kS; ++i) kr[i] = row(kbase, s0 + (i < cnt ? i : 0));
-    for (int64_t rb = 0; rb < rp; rb += 16) {
-      __m512 acc[kS];
-      for (int i = 0; i < kS; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t rb = 0; rb < rp; rb += kLanes) {
+      Vec acc[kS];
+      for (int i = 0; i < kS; ++i) acc[i] = Zero();
       for (int64_t h = 0; h < H; ++h) {
-        const __m512 qv = _mm512_loadu_ps(qt.data() + h * rp + rb);
-        for (int i = 0; i < kS; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(kr[i][h]), qv, acc[i]);
+        const Vec qv = Load(qt.data() + h * rp + rb);
+        for (int i = 0; i < kS; ++i) acc[i] = Fma(Set1(kr[i][h]), qv, acc[i]);
       }
-      for (int64_t i = 0; i < cnt; ++i) _mm512_storeu_ps(st.data() + (s0 + i) * rp + rb, acc[i]);
+      for (int64_t i = 0; i < cnt; ++i) Store(st.data() + (s0 + i) * rp + rb, acc[i]);
     }
   }
-  for (int64_t rb = 0; rb < rp; rb += 16) {  // per row: max, p = exp(score - max) in place, sum of p
-    __m512 mx = _mm512_set1_ps(kMask);
-    for (int64_t s = 0; s < n; ++s) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st.data() + s * rp + rb));
-    __m512 sum = _mm512_setzero_ps();
+  for (int64_t rb = 0; rb < rp; rb += kLanes) {  // per row: max, p = exp(score - max) in place, sum of p
+    Vec mx = Set1(kMask);
+    for (int64_t s = 0; s < n; ++s) mx = Max(mx, Load(st.data() + s * rp + rb));
+    Vec sum = Zero();
     for (int64_t s = 0; s < n; ++s) {
-      const __m512 p = Exp(_mm512_sub_ps(_mm512_loadu_ps(st.data() + s * rp + rb), mx));
-      _mm512_storeu_ps(st.data() + s * rp + rb, p);
-      sum = _mm512_add_ps(sum, p);
+      const Vec p = Exp(Sub(Load(st.data() + s * rp + rb), mx));
+      Store(st.data() + s * rp + rb, p);
+      sum = Add(sum, p);
     }
-    alignas(64) float mv[16], lv[16];
-    _mm512_store_ps(mv, mx);
-    _mm512_store_ps(lv, sum);
-    for (int64_t r = rb; r < rb + 16 && r < R; ++r) {
+    float mv[kLanes], lv[kLanes];
+    Store(mv, mx);
+    Store(lv, sum);
+    for (int64_t r = rb; r < rb + kLanes && r < R; ++r) {
       m[r] = mv[r - rb];
       l[r] = lv[r - rb];
     }
   }
   for (int64_t s = 0; s < n; ++s) {  // o[r] += p[s, r] v_s in s order: each cached V row read once
     const float* vr = row(vbase, s);
-    __m512 vv[kMaxVec];
-    for (int64_t j = 0; j < nv; ++j) vv[j] = _mm512_loadu_ps(vr + 16 * j);
+    Vec vv[kMaxVec];
+    for (int64_t j = 0; j < nv; ++j) vv[j] = Load(vr + kLanes * j);
     const float* ps = st.data() + s * rp;
     for (int64_t r = 0; r < R; ++r) {
-      const __m512 p = _mm512_set1_ps(ps[r]);
+      const Vec p = Set1(ps[r]);
       float* orow = o + r * H;
-      for (int64_t j = 0; j < nv; ++j)
-        _mm512_storeu_ps(orow + 16 * j, _mm512_fmadd_ps(p, vv[j], _mm512_loadu_ps(orow + 16 * j)));
+      for (int64_t j = 0; j < nv; ++j) Store(orow + kLanes * j, Fma(p, vv[j], Load(orow + kLanes * j)));
     }
   }
 }
@@ -144,7 +120,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return ffi::Error::InvalidArgument("specjax paged attention: q [K, B, R, H], pools [K, P, Z, H], "
                                        "page_table [B, Pg], lengths [B]");
   }
-  if (qd[3] % 16 != 0 || qd[3] > 16 * kMaxVec) {
+  if (qd[3] % 16 != 0 || qd[3] > kLanes * kMaxVec) {
     return ffi::Error::InvalidArgument("specjax paged attention: head_dim must be a multiple of 16, at most 256");
   }
   Args a{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), page_table.typed_data(), lengths.typed_data(),
@@ -163,7 +139,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     });
   }
   work();
-  while (pending.load(std::memory_order_acquire) > 0) _mm_pause();
+  while (pending.load(std::memory_order_acquire) > 0) Pause();
   return ffi::Error::Success();
 }
 

@@ -4,9 +4,9 @@
 // weights (a float32 x int8 product first copies the whole weight to float32), so a Q4_1 model is read as 4
 // bytes per weight instead of 0.625.  These kernels stream the blocks, rebuild each weight in registers with
 // the same float32 operations as specjax.model.gguf_file.dequantize (bit-identical weights; build with
-// -ffp-contract=off), and multiply it into up to 4 tokens held in registers.  Only the summation order
-// differs from a float32 dot, and it is the same for every M: a token's result does not depend on how many
-// tokens share the call (verification and plain decoding round alike).
+// -ffp-contract=off), and multiply it into up to 4 tokens at a time (AVX-512F or AVX2 + FMA: simd.h).  Only the
+// summation order differs from a float32 dot, and it is the same for every M: a token's result does not depend on
+// how many tokens share the call (verification and plain decoding round alike).
 //
 // Layout (prepared at load time by specjax.model.quant): codes [O, I/32, bytes of one block's codes]
 // (Q4: 16 bytes, low nibbles = weights 0..15 of the block, high nibbles = 16..31; Q8: 32 int8), scales d and
@@ -16,17 +16,14 @@
 #include <cstring>
 #include <vector>
 
-#include <immintrin.h>
-
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
-
-#if !defined(__AVX512F__)
-#error "specjax kernels need AVX-512F (the caller falls back to XLA when this does not build)"
-#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using namespace specjax_simd;
 
 enum Kind { kQ4_0, kQ4_1, kQ8_0 };
 
@@ -40,55 +37,47 @@ struct Weights {
 template <Kind K>
 constexpr int64_t CodeBytes() { return K == kQ8_0 ? 32 : 16; }
 
-// The 32 weights of block b of row r as two float32 vectors (weights 0..15 and 16..31).
+constexpr int kVecs = 32 / kLanes;  // vectors per block of 32 weights
+
+// Vector j (weights j * kLanes ..) of block b of row r.
 template <Kind K>
-inline void Dequant(const Weights& w, int64_t r, int64_t b, __m512& lo, __m512& hi) {
+inline Vec Dequant(const Weights& w, int64_t r, int64_t b, int j) {
   const int64_t blk = r * w.blocks + b;
   const uint8_t* c = w.codes + blk * CodeBytes<K>();
-  const __m512 d = _mm512_set1_ps(w.scales[blk]);
+  const Vec d = Set1(w.scales[blk]);
   if constexpr (K == kQ8_0) {
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)c))), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16)))), d);
-  } else {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)c));
-    __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
-    __m512 qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-    if constexpr (K == kQ4_0) {  // (q - 8) * d
-      lo = _mm512_mul_ps(_mm512_sub_ps(ql, _mm512_set1_ps(8.0f)), d);
-      hi = _mm512_mul_ps(_mm512_sub_ps(qh, _mm512_set1_ps(8.0f)), d);
-    } else {  // q * d + m, rounded twice like the numpy dequantization
-      const __m512 m = _mm512_set1_ps(w.mins[blk]);
-      lo = _mm512_add_ps(_mm512_mul_ps(ql, d), m);
-      hi = _mm512_add_ps(_mm512_mul_ps(qh, d), m);
-    }
+    return Mul(ToFloat(I8ToI32(c + j * kLanes)), d);
+  } else {  // a Q4 block: low nibbles are weights 0..15, high nibbles 16..31
+    constexpr int half = kVecs / 2;
+    const IVec v = U8ToI32(c + (j % half) * kLanes);
+    const Vec q = ToFloat(j < half ? LowNibble(v) : HighNibble(v));
+    if constexpr (K == kQ4_0) return Mul(Sub(q, Set1(8.0f)), d);  // (q - 8) * d
+    return Add(Mul(q, d), Set1(w.mins[blk]));  // q * d + m, rounded twice like the numpy dequantization
   }
 }
 
-// RB rows x TB tokens; xt is token-major [TB, I] (row stride I), y is [O, M] (row stride M).
+// RB rows x TB tokens; xt is token-major [TB, I] (row stride I), y is [O, M] (row stride M).  Each (row, token)
+// has one accumulator that takes the block's vectors in order: the same sums whatever TB and RB are.
 template <Kind K, int RB, int TB>
 inline void Tile(const Weights& w, int64_t r0, const float* xt, int64_t I, float* y, int64_t M) {
-  __m512 acc[RB][TB];
+  Vec acc[RB][TB];
   for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int t = 0; t < TB; ++t) acc[r][t] = Zero();
   for (int64_t b = 0; b < w.blocks; ++b) {
-    __m512 xlo[TB], xhi[TB];
-    for (int t = 0; t < TB; ++t) {
-      xlo[t] = _mm512_loadu_ps(xt + t * I + b * 32);
-      xhi[t] = _mm512_loadu_ps(xt + t * I + b * 32 + 16);
-    }
     for (int r = 0; r < RB; ++r) {
-      __m512 lo, hi;
-      Dequant<K>(w, r0 + r, b, lo, hi);
-      for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_fmadd_ps(hi, xhi[t], _mm512_fmadd_ps(lo, xlo[t], acc[r][t]));
+      for (int j = 0; j < kVecs; ++j) {
+        const Vec wv = Dequant<K>(w, r0 + r, b, j);
+        for (int t = 0; t < TB; ++t) acc[r][t] = Fma(wv, Load(xt + t * I + b * 32 + j * kLanes), acc[r][t]);
+      }
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < TB; ++t) y[(r0 + r) * M + t] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < TB; ++t) y[(r0 + r) * M + t] = Sum(acc[r][t]);
 }
 
 template <Kind K, int TB>
 void RowsTB(const Weights& w, const float* xt, int64_t I, float* y, int64_t M, int64_t r0, int64_t r1) {
-  constexpr int RB = TB <= 2 ? 4 : 2;  // accumulators + x vectors stay within the 32 zmm registers
+  constexpr int RB = TB <= 2 ? 4 : 2;  // accumulators, weights and x vectors stay within the vector registers
   int64_t r = r0;
   for (; r + RB <= r1; r += RB) Tile<K, RB, TB>(w, r, xt, I, y, M);
   for (; r < r1; ++r) Tile<K, 1, TB>(w, r, xt, I, y, M);
@@ -141,7 +130,7 @@ ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, 
     });
   }
   Rows<K>(w, xt, I, out, M, 0, per < O ? per : O);
-  while (pending.load(std::memory_order_acquire) > 0) _mm_pause();
+  while (pending.load(std::memory_order_acquire) > 0) Pause();
   return ffi::Error::Success();
 }
 
