@@ -171,3 +171,43 @@ def test_drafters_on_the_attention_kernel_match_xla_and_stay_lossless(tiny_dirs,
             steps = [p[0] for shape, p in engine.programs.ready.items() if shape.kind == "decode"]
             assert steps and all(s.as_text().count(f'custom_call_target="{kernels.attention}"') == want
                                  for s in steps), name
+
+
+def test_dflash_draft_head_streams_the_target_head_blocks(tiny_dirs, tmp_path, kernels):
+    """A draft vocabulary's head rows are cut from the target head's GGUF blocks when the target runs on the
+    kernels: the same weights as the dense rows, the same scores to rounding, one kernel call per decode step
+    (beside the target head's), and the output still equals plain decoding."""
+    import dataclasses
+
+    from specjax.drafter.dflash import with_draft_head
+    from specjax.drafter.loader import drafter_config_for, init_drafter
+    from specjax.model.quant import head_product
+    from specjax.spec.proposer import DFlashProposer
+
+    path = str(tmp_path / "llama-Q8_0.gguf")
+    write_gguf_from_hf(tiny_dirs["llama"], path, "Q8_0")
+    model = load_model(path, quant_kernels=True)
+    rng = np.random.default_rng(7)
+    dcfg = drafter_config_for(model.config, num_layers=1, block_size=4, target_layer_ids=(0, 2), mask_token_id=299)
+    ids = jnp.asarray(np.sort(rng.choice(model.config.vocab_size, 96, replace=False)), jnp.int32)
+    drafter = dataclasses.replace(init_drafter(dcfg, jax.random.PRNGKey(3), std=0.15), draft_ids=ids)
+    fast = with_draft_head(drafter, model.weights.head_matrix).draft_head
+    slow = with_draft_head(drafter, model.weights.vocab_rows).draft_head
+    assert isinstance(fast, QuantMatrix) and fast.shape == (96, model.config.hidden_size)
+    np.testing.assert_array_equal(np.asarray(fast.dense), np.asarray(slow))
+    rows = jnp.asarray(rng.standard_normal((3, model.config.hidden_size)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(head_product(fast, rows)), np.asarray(head_product(slow, rows)),
+                               rtol=1e-5, atol=1e-5)
+
+    prompt = random_prompt(np.random.default_rng(8), 12)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
+    [plain] = LLMEngine(model.config, model.weights, config=config).generate([prompt], params)
+    dense_head = dataclasses.replace(model.weights, head_blocks=None)
+    calls = []
+    for w in (model.weights, dense_head):
+        engine = LLMEngine(model.config, w, DFlashProposer(dcfg, 4), drafter, config)
+        assert engine.generate([prompt], params)[0].output_ids == plain.output_ids
+        steps = [p[0] for shape, p in engine.programs.ready.items() if shape.kind == "decode"]
+        calls.append({s.as_text().count(f'custom_call_target="{kernels.targets["Q8_0"]}"') for s in steps})
+    assert len(calls[0]) == 1 and {c - 2 for c in calls[0]} == calls[1]  # the target head and the draft head

@@ -14,8 +14,8 @@ Two optional specjax extensions of the z-lab format (absent from z-lab checkpoin
 * `slot_embedding` [Q, H], added to the input row of block slot k: every slot knows its offset (without it the
   MASK slots differ only through RoPE, and a small drafter confuses offsets).
 * `draft_ids` [V_d]: a draft vocabulary (sorted target ids).  Drafts are argmax over those rows of the target's
-  output head only (`draft_head` [V_d, H], cut once from the target head by `with_draft_head`), then mapped
-  back to target ids.  Tokens outside it are never drafted, which costs acceptance only when the target
+  output head only (`draft_head` [V_d, H], cut once from the target head by `with_draft_head`: its GGUF blocks
+  when the target head runs on the CPU kernels), then mapped back to target ids.  Tokens outside it are never drafted, which costs acceptance only when the target
   writes them.
 """
 
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from specjax.config import DrafterConfig
 from specjax.model.attention import KVRows, pages_and_new_attention
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin, swiglu
+from specjax.model.quant import head_product, take_rows
 from specjax.model.target import KVPages
 
 
@@ -60,15 +61,15 @@ class DFlashWeights:
     draft_head: jax.Array | None = None  # [V_d, H] those rows of the target head (derived, never saved)
 
 
-def with_draft_head(weights: DFlashWeights, vocab_rows: jax.Array) -> DFlashWeights:
-    """Cut the draft vocabulary's rows out of the target's head rows [V, H] once (no-op without a draft
-    vocabulary)."""
+def with_draft_head(weights: DFlashWeights, vocab_rows) -> DFlashWeights:
+    """Cut the draft vocabulary's rows out of the target's head rows [V, H] (an array, or a QuantMatrix:
+    TargetWeights.head_matrix) once (no-op without a draft vocabulary)."""
     if weights.draft_ids is None or weights.draft_head is not None:
         return weights
-    return dataclasses.replace(weights, draft_head=jnp.take(vocab_rows, weights.draft_ids, axis=0))
+    return dataclasses.replace(weights, draft_head=take_rows(vocab_rows, weights.draft_ids))
 
 
-def output_rows(weights: DFlashWeights, vocab_rows: jax.Array) -> jax.Array:
+def output_rows(weights: DFlashWeights, vocab_rows):
     """The head rows [V_d, H] drafts are scored with: the draft vocabulary's if any, else the target's."""
     if weights.draft_ids is None:
         return vocab_rows
@@ -143,14 +144,14 @@ def draft_scores(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed
                  bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array, num_draft_tokens: int,
                  block_size: int, kernel: str | None = None) -> jax.Array:
     """Vocab-major float32 logits [V_d, B * K] of block slots 1..K through the TARGET's head rows `vocab_rows`
-    [V, H] (its draft-vocabulary rows if the drafter has one: `to_target_ids` maps argmax indices back).  bonus
-    sits at position context_lens (= s, the number of positions already in the drafter context).  Vocab-major
-    because that is the fast product on XLA:CPU (model/target.py); argmax runs over axis 0 without a transpose."""
+    [V, H] (its draft-vocabulary rows if the drafter has one: `to_target_ids` maps argmax indices back; a
+    QuantMatrix streams its blocks through the CPU kernel).  bonus sits at position context_lens (= s, the number
+    of positions already in the drafter context).  Vocab-major (`head_product`): argmax runs over axis 0 without
+    a transpose."""
     block_pos = context_lens[:, None] + jnp.arange(block_size)[None, :]  # [B, Q]
     x = block_embeddings(weights, cfg, embed, bonus, block_size)
     h = block_hidden(weights, cfg, dkv, x, block_pos, context_lens, page_table, kernel)[:, 1:1 + num_draft_tokens]
-    return jnp.einsum("vd,md->vm", output_rows(weights, vocab_rows), h.reshape(-1, h.shape[-1]),
-                      preferred_element_type=jnp.float32)
+    return head_product(output_rows(weights, vocab_rows), h.reshape(-1, h.shape[-1]))
 
 
 def propose_logits(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array,

@@ -86,6 +86,24 @@ def dense(w) -> jax.Array:
     return w.dense if isinstance(w, QuantMatrix) else w
 
 
+def take_rows(w, ids: jax.Array):
+    """Rows `ids` of a [O, I] weight, quantized (a QuantMatrix of those rows' blocks) or not."""
+    if not isinstance(w, QuantMatrix):
+        return jnp.take(w, ids, axis=0)
+    mins = None if w.mins is None else jnp.take(w.mins, ids, axis=0)
+    return QuantMatrix(jnp.take(w.codes, ids, axis=0), jnp.take(w.scales, ids, axis=0), mins,
+                       jnp.take(w.dense, ids, axis=0), w.target)
+
+
+def head_product(w, rows: jax.Array) -> jax.Array:
+    """An output head's vocab-major float32 logits: w [V, D] (array or QuantMatrix), rows [M, D] -> [V, M].
+    Vocab-major because that is the fast product on XLA:CPU (model/target.py); few rows of a QuantMatrix stream
+    its blocks through the kernel (`matmul`)."""
+    if isinstance(w, QuantMatrix):
+        return matmul(w, rows.T)
+    return jnp.einsum("vd,md->vm", w, rows, preferred_element_type=jnp.float32)
+
+
 def matmul(w, x: jax.Array) -> jax.Array:
     """W[O, I] @ x[I, M] -> [O, M]: the kernel for a QuantMatrix and M <= KERNEL_MAX_TOKENS, else XLA."""
     if not isinstance(w, QuantMatrix) or x.shape[1] > KERNEL_MAX_TOKENS or x.dtype != jnp.float32:

@@ -30,7 +30,7 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.model.attention import KVRows, paged_attention
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin
-from specjax.model.quant import QuantMatrix, matmul
+from specjax.model.quant import QuantMatrix, head_product, matmul
 
 
 def fused_row_order(part_sizes: tuple[int, ...], shards: int) -> np.ndarray:
@@ -82,6 +82,12 @@ class TargetWeights:
     def vocab_rows(self) -> jax.Array:
         """[V, D]: the LM head's rows (the embedding when tied)."""
         return self.embed if self.lm_head is None else self.lm_head
+
+    @property
+    def head_matrix(self):
+        """The LM head's rows [V, D] as the product reads them: its GGUF blocks (QuantMatrix) when loaded for the
+        kernels, else `vocab_rows`."""
+        return self.vocab_rows if self.head_blocks is None else self.head_blocks
 
     @property
     def output_head(self) -> jax.Array:
@@ -183,11 +189,7 @@ def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: Model
 
 def logits(weights: TargetWeights, hidden: jax.Array) -> jax.Array:
     """LM head: hidden [..., D] -> float32 logits [..., V] (computed vocab-major, [V, rows], then transposed)."""
-    rows = hidden.reshape(-1, hidden.shape[-1])
-    if weights.head_blocks is not None:
-        out = matmul(weights.head_blocks, rows.T)
-    else:
-        out = jnp.einsum("vd,md->vm", weights.vocab_rows, rows, preferred_element_type=jnp.float32)
+    out = head_product(weights.head_matrix, hidden.reshape(-1, hidden.shape[-1]))
     return kept(out).T.reshape(*hidden.shape[:-1], -1)
 
 

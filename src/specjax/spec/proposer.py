@@ -82,12 +82,13 @@ class DFlashProposer:
         return dflash.observe(params, self.cfg, taps, positions)
 
     def propose(self, params, state, target, bonus, start, page_table, num_draft):
-        return dflash.propose_tokens(params, self.cfg, state, target.embed, target.vocab_rows, bonus, start,
+        return dflash.propose_tokens(params, self.cfg, state, target.embed, target.head_matrix, bonus, start,
                                      page_table, num_draft, self.block_size, target.attention_kernel)
 
     def prepare(self, params, target):
-        """Once per engine: cut the draft vocabulary's head rows (if any) out of the target head."""
-        return dflash.with_draft_head(params, target.vocab_rows)
+        """Once per engine: cut the draft vocabulary's head rows (if any) out of the target head (its GGUF blocks
+        when the target head runs on the CPU kernels)."""
+        return dflash.with_draft_head(params, target.head_matrix)
 
 
 
