@@ -211,3 +211,67 @@ def test_dflash_draft_head_streams_the_target_head_blocks(tiny_dirs, tmp_path, k
         steps = [p[0] for shape, p in engine.programs.ready.items() if shape.kind == "decode"]
         calls.append({s.as_text().count(f'custom_call_target="{kernels.targets["Q8_0"]}"') for s in steps})
     assert len(calls[0]) == 1 and {c - 2 for c in calls[0]} == calls[1]  # the target head and the draft head
+
+
+def test_bf16_kernel_streams_exact_bfloat16_matrices(kernels):
+    """A float32 matrix of bfloat16 values goes to the BF16 kernel with the same weights (its dense copy is the
+    matrix itself); one that would round stays dense.  Products match float64 and do not depend on how many
+    tokens share the call."""
+    from specjax.model.quant import bf16_matrix, linear
+
+    rng = np.random.default_rng(11)
+    w = jnp.asarray(rng.standard_normal((96, 64)).astype(jnp.bfloat16).astype(np.float32))  # [O, I]
+    assert bf16_matrix(w + 1e-4, kernels.targets["BF16"]) is None
+    assert bf16_matrix(w[:, :48], kernels.targets["BF16"]) is None  # rows not whole blocks of 32
+    q = bf16_matrix(w, kernels.targets["BF16"])
+    assert isinstance(q, QuantMatrix) and q.codes.dtype == jnp.uint16 and q.scales is None and q.dense is w
+    x = rng.standard_normal((64, 7)).astype(np.float32)
+    want = np.asarray(w, np.float64) @ x.astype(np.float64)
+    got = np.asarray(matmul(q, jnp.asarray(x)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for m in (1, 3):  # a token's result is the same alone or in a wider call
+        np.testing.assert_array_equal(np.asarray(matmul(q, jnp.asarray(x[:, :m]))), got[:, :m])
+    rows = jnp.asarray(x.T[:5])  # linear: x [..., I] @ W^T through the kernel, as x @ w.T does densely
+    np.testing.assert_allclose(np.asarray(linear(rows, q)), np.asarray(rows @ w.T), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_dflash_drafter_runs_on_the_bf16_kernel(tiny_dirs, tmp_path, kernels):
+    """On a target loaded onto the kernels, a drafter with bfloat16 values streams every matrix (fc and each
+    layer's five) through the BF16 kernel; a float32 drafter stays on XLA.  Drafts are the XLA drafter's to
+    rounding and the output equals plain decoding."""
+    import dataclasses
+
+    from specjax.drafter import dflash
+    from specjax.drafter.loader import drafter_config_for, init_drafter
+    from specjax.spec.proposer import DFlashProposer
+
+    path = str(tmp_path / "llama-Q4_1.gguf")
+    write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
+    model = load_model(path, quant_kernels=True)
+    dcfg = drafter_config_for(model.config, num_layers=2, block_size=4, target_layer_ids=(0, 2), mask_token_id=299)
+    fp32 = init_drafter(dcfg, jax.random.PRNGKey(9), std=0.15)
+    bf16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), fp32)
+    proposer = DFlashProposer(dcfg, 4)
+    fast = proposer.prepare(bf16, model.weights)
+    assert all(isinstance(m, QuantMatrix) for m in [fast.fc] + [getattr(layer, n) for layer in fast.layers
+                                                                for n in ("w_q", "w_kv", "w_o", "w_gate_up", "w_down")])
+    assert not isinstance(proposer.prepare(fp32, model.weights).fc, QuantMatrix)
+    xla = dataclasses.replace(model.weights, attention_kernel=None)
+    assert not isinstance(proposer.prepare(bf16, xla).fc, QuantMatrix)
+
+    rng = np.random.default_rng(12)
+    taps = jnp.asarray(rng.standard_normal((1, 5, fast.fc.shape[1])), jnp.float32)
+    rows = [np.asarray(dflash.observe(w, dcfg, taps, jnp.arange(5)[None]).k[1]) for w in (fast, bf16)]
+    np.testing.assert_allclose(rows[0], rows[1], rtol=1e-4, atol=1e-4)
+
+    prompt = random_prompt(np.random.default_rng(13), 12)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
+    [plain] = LLMEngine(model.config, model.weights, config=config).generate([prompt], params)
+    engine = LLMEngine(model.config, model.weights, proposer, bf16, config)
+    assert engine.generate([prompt], params)[0].output_ids == plain.output_ids
+    steps = [p[0] for shape, p in engine.programs.ready.items() if shape.kind == "decode"]
+    # per decode step: observe (fc, then each layer's context K/V) and propose (each layer's five products)
+    bf16_calls = 1 + dcfg.num_layers + 5 * dcfg.num_layers
+    assert steps and all(s.as_text().count(f'custom_call_target="{kernels.targets["BF16"]}"') == bf16_calls
+                         for s in steps)

@@ -46,7 +46,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_quant_kernel_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-kernels", default=True, action=argparse.BooleanOptionalAction,
                    help="GGUF targets: multiply Q4_0/Q4_1/Q8_0 weights in their blocks with specjax's CPU kernels "
-                        "for steps of up to 12 tokens (float32, one device, AVX-512; else XLA on float32 copies)")
+                        "for steps of up to 12 tokens (float32, one device, AVX-512F or AVX2 + FMA; else XLA on "
+                        "float32 copies)")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

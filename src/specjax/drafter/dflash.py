@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from specjax.config import DrafterConfig
 from specjax.model.attention import KVRows, pages_and_new_attention
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin, swiglu
-from specjax.model.quant import head_product, take_rows
+from specjax.model.quant import bf16_matrix, head_product, linear, take_rows
 from specjax.model.target import KVPages
 
 
@@ -69,6 +69,21 @@ def with_draft_head(weights: DFlashWeights, vocab_rows) -> DFlashWeights:
     return dataclasses.replace(weights, draft_head=take_rows(vocab_rows, weights.draft_ids))
 
 
+def with_bf16_kernel(weights: DFlashWeights, kernel: str) -> DFlashWeights:
+    """Once per engine on specjax's CPU kernels: every drafter matrix whose float32 values are all bfloat16 numbers
+    (a bfloat16 checkpoint) also kept as those bits for the BF16 kernel `kernel` (quant.bf16_matrix, transposed
+    to [out, in]): a drafter step streams half the bytes of its weights, which are the same weights."""
+
+    def streamed(w):
+        q = bf16_matrix(w.T, kernel)
+        return w if q is None else q
+
+    names = ("w_q", "w_kv", "w_o", "w_gate_up", "w_down")
+    layers = tuple(dataclasses.replace(layer, **{n: streamed(getattr(layer, n)) for n in names})
+                   for layer in weights.layers)
+    return dataclasses.replace(weights, fc=streamed(weights.fc), layers=layers)
+
+
 def output_rows(weights: DFlashWeights, vocab_rows):
     """The head rows [V_d, H] drafts are scored with: the draft vocabulary's if any, else the target's."""
     if weights.draft_ids is None:
@@ -85,13 +100,13 @@ def to_target_ids(weights: DFlashWeights, idx: jax.Array) -> jax.Array:
 
 def fuse_context(weights: DFlashWeights, cfg: DrafterConfig, taps: jax.Array) -> jax.Array:
     """ctx_feat = hidden_norm(concat(taps) @ fc): computed once per token, shared by every layer.  [..., H]"""
-    return rms_norm(taps @ weights.fc, weights.hidden_norm, cfg.rms_norm_eps)
+    return rms_norm(linear(taps, weights.fc), weights.hidden_norm, cfg.rms_norm_eps)
 
 
 def layer_kv(layer: DrafterLayer, cfg: DrafterConfig, x: jax.Array, cos, sin):
     """K (k_norm + RoPE) and V of rows x [B, T, H] -> ([B, T, K, Dh], [B, T, K, Dh])."""
     b, t, _ = x.shape
-    k, v = jnp.split(x @ layer.w_kv, 2, axis=-1)
+    k, v = jnp.split(linear(x, layer.w_kv), 2, axis=-1)
     k = rms_norm(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
     return apply_rope(k, cos, sin), v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
 
@@ -130,12 +145,13 @@ def block_hidden(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, x: ja
     block_visible = jnp.ones((b, q_len, q_len), bool)  # non-causal inside the block
     for i, layer in enumerate(weights.layers):
         xn = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        q = rms_norm((xn @ layer.w_q).reshape(b, q_len, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
+        q = rms_norm(linear(xn, layer.w_q).reshape(b, q_len, cfg.num_heads, cfg.head_dim), layer.q_norm,
+                     cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         kb, vb = layer_kv(layer, cfg, xn, cos, sin)
         o = pages_and_new_attention(q, dkv.k[i], dkv.v[i], page_table, context_lens, kb, vb, block_visible,
                                     cfg.head_dim ** -0.5, kernel)
-        x = x + o.reshape(b, q_len, -1) @ layer.w_o
+        x = x + linear(o.reshape(b, q_len, -1), layer.w_o)
         x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
     return rms_norm(x, weights.norm, cfg.rms_norm_eps)
 

@@ -24,7 +24,7 @@ from importlib import resources
 log = logging.getLogger(__name__)
 
 QUANT_SOURCE = "quant_matmul.cc"
-QUANT_HANDLERS = {"Q4_0": "SpecjaxQ4_0", "Q4_1": "SpecjaxQ4_1", "Q8_0": "SpecjaxQ8_0"}
+QUANT_HANDLERS = {"Q4_0": "SpecjaxQ4_0", "Q4_1": "SpecjaxQ4_1", "Q8_0": "SpecjaxQ8_0", "BF16": "SpecjaxBF16"}
 ATTENTION_SOURCE = "paged_attention.cc"
 ATTENTION_HANDLER = "SpecjaxPagedAttention"
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
@@ -36,7 +36,7 @@ class KernelUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class QuantKernels:
-    """Registered FFI targets (CPU platform): one per GGUF block format (Q4_0, Q4_1, Q8_0) for
+    """Registered FFI targets (CPU platform): one per block format (GGUF Q4_0, Q4_1, Q8_0, and BF16) for
     model/quant.py, and `attention`, paged attention over the KV pool in place (model/attention.py)."""
 
     targets: dict[str, str]

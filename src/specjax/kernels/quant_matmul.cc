@@ -1,4 +1,5 @@
-// specjax CPU kernels: y[O, M] = W[O, I] @ x[I, M] with W kept in GGUF block formats (Q4_0, Q4_1, Q8_0).
+// specjax CPU kernels: y[O, M] = W[O, I] @ x[I, M] with W kept in GGUF block formats (Q4_0, Q4_1, Q8_0), or as
+// bfloat16 (a bfloat16 drafter's matrices: exactly its float32 values in half the bytes).
 //
 // Decoding on a CPU is bound by the bytes of weights it reads per step.  XLA:CPU can only multiply float32
 // weights (a float32 x int8 product first copies the whole weight to float32), so a Q4_1 model is read as 4
@@ -9,8 +10,8 @@
 // how many tokens share the call (verification and plain decoding round alike).
 //
 // Layout (prepared at load time by specjax.model.quant): codes [O, I/32, bytes of one block's codes]
-// (Q4: 16 bytes, low nibbles = weights 0..15 of the block, high nibbles = 16..31; Q8: 32 int8), scales d and
-// (Q4_1) mins m as float32 [O, I/32].  Rows are split over the XLA:CPU intra-op thread pool.
+// (Q4: 16 bytes, low nibbles = weights 0..15 of the block, high nibbles = 16..31; Q8: 32 int8; BF16: 32 uint16),
+// scales d and (Q4_1) mins m as float32 [O, I/32] (none for BF16).  Rows are split over the XLA:CPU intra-op thread pool.
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -25,17 +26,17 @@ namespace {
 
 using namespace specjax_simd;
 
-enum Kind { kQ4_0, kQ4_1, kQ8_0 };
+enum Kind { kQ4_0, kQ4_1, kQ8_0, kBF16 };
 
 struct Weights {
   const uint8_t* codes;
-  const float* scales;
-  const float* mins;  // Q4_1 only
+  const float* scales;  // not BF16
+  const float* mins;    // Q4_1 only
   int64_t blocks;     // I / 32
 };
 
 template <Kind K>
-constexpr int64_t CodeBytes() { return K == kQ8_0 ? 32 : 16; }
+constexpr int64_t CodeBytes() { return K == kBF16 ? 64 : K == kQ8_0 ? 32 : 16; }
 
 constexpr int kVecs = 32 / kLanes;  // vectors per block of 32 weights
 
@@ -44,6 +45,7 @@ template <Kind K>
 inline Vec Dequant(const Weights& w, int64_t r, int64_t b, int j) {
   const int64_t blk = r * w.blocks + b;
   const uint8_t* c = w.codes + blk * CodeBytes<K>();
+  if constexpr (K == kBF16) return BF16ToFloat(reinterpret_cast<const uint16_t*>(c) + j * kLanes);
   const Vec d = Set1(w.scales[blk]);
   if constexpr (K == kQ8_0) {
     return Mul(ToFloat(I8ToI32(c + j * kLanes)), d);
@@ -153,6 +155,12 @@ ffi::Error Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> codes, ffi::Buffer<ff
   return Run<kQ8_0>(pool, w, x, y);
 }
 
+ffi::Error BF16(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::F32> x,
+                ffi::ResultBuffer<ffi::F32> y) {
+  Weights w{reinterpret_cast<const uint8_t*>(codes.typed_data()), nullptr, nullptr, codes.dimensions()[1]};
+  return Run<kBF16>(pool, w, x, y);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_0, Q4_0,
@@ -167,3 +175,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ8_0, Q8_0,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBF16, BF16,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());

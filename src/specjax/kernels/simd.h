@@ -35,6 +35,10 @@ inline IVec I8ToI32(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si
 inline IVec LowNibble(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi32(0xF)); }
 inline IVec HighNibble(IVec v) { return _mm512_srli_epi32(v, 4); }
 inline Vec ToFloat(IVec v) { return _mm512_cvtepi32_ps(v); }
+// kLanes bfloat16 values at p as float32 (exact: a bfloat16 is the top half of a float32)
+inline Vec BF16ToFloat(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 
 // exp(x) for x <= 0 (scores minus their maximum): Cody-Waite range reduction and a degree-6 Taylor polynomial
 // (truncation below 1.3e-7 relative on the reduced range); arguments below -87 give 0.
@@ -81,6 +85,9 @@ inline IVec I8ToI32(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_ep
 inline IVec LowNibble(IVec v) { return _mm256_and_si256(v, _mm256_set1_epi32(0xF)); }
 inline IVec HighNibble(IVec v) { return _mm256_srli_epi32(v, 4); }
 inline Vec ToFloat(IVec v) { return _mm256_cvtepi32_ps(v); }
+inline Vec BF16ToFloat(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 
 // The same exp as the AVX-512 build, lane for lane: 2^n is built in the exponent field (n >= -126 after the
 // clamp, so it is a normal float) and p * 2^n rounds as scalef does.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.model.quant import linear
+
 # Finite "minus infinity": a fully masked row (padding query) softmaxes to uniform garbage instead of NaN.
 MASK_VALUE = -1e30
 
@@ -40,10 +42,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """down(silu(gate(x)) * up(x)) with the gate and up projections fused into one [D, 2F] matmul."""
-    gate_up = x @ w_gate_up  # [..., 2F]
+    """down(silu(gate(x)) * up(x)) with the gate and up projections fused into one [D, 2F] matmul (either weight
+    may be a QuantMatrix of the transposed matrix: quant.linear)."""
+    gate_up = linear(x, w_gate_up)  # [..., 2F]
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    return (jax.nn.silu(gate) * up) @ w_down
+    return linear(jax.nn.silu(gate) * up, w_down)
 
 
 def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> jax.Array:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Widest product (tokens M of W[O, I] @ x[I, M]) that goes to the kernel.  Measured on SmolLM2's 30-layer
-# projection chain (2 cores, AVX-512): kernel / XLA float32 = 5.7 / 18.5 ms at M = 1, 14.3 / 26.8 at M = 8,
+# projection chain (2 cores, AVX-512; first measured there): kernel / XLA float32 = 5.7 / 18.5 ms at M = 1, 14.3 / 26.8 at M = 8,
 # 35.0 / 32.6 at M = 16 (docs/results/kflat.md).
 KERNEL_MAX_TOKENS = 12
 
@@ -28,8 +28,9 @@ BLOCK_LAYOUT = {"Q4_0": (18, 2, False), "Q4_1": (20, 4, True), "Q8_0": (34, 2, F
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QuantMatrix:
-    codes: jax.Array  # [O, I/32, 16] uint8 (Q4: low nibbles = weights 0..15 of a block) or [O, I/32, 32] int8
-    scales: jax.Array  # [O, I/32] float32
+    codes: jax.Array  # [O, I/32, 16] uint8 (Q4: low nibbles = weights 0..15 of a block), [O, I/32, 32] int8 (Q8_0)
+    #                   or [O, I/32, 32] uint16 (bfloat16 bits)
+    scales: jax.Array | None  # [O, I/32] float32, None for bfloat16
     mins: jax.Array | None  # [O, I/32] float32 (Q4_1) or None
     dense: jax.Array  # [O, I] float32: the same weights dequantized
     target: str = dataclasses.field(metadata=dict(static=True))  # registered FFI target of the kernel
@@ -86,6 +87,29 @@ def dense(w) -> jax.Array:
     return w.dense if isinstance(w, QuantMatrix) else w
 
 
+def bf16_matrix(w: jax.Array, target: str) -> QuantMatrix | None:
+    """A float32 [O, I] matrix whose values are all bfloat16 numbers (a bfloat16 checkpoint loaded as float32) as a
+    QuantMatrix of its bfloat16 bits for the kernel `target` (half the bytes per product, the same weights), or
+    None when it is not (its values would round) or its rows are not whole blocks of 32."""
+    host = np.asarray(w)
+    if host.dtype != np.float32 or host.ndim != 2 or host.shape[1] % 32:
+        return None
+    half = host.astype(jnp.bfloat16)
+    if not np.array_equal(half.astype(np.float32), host):
+        return None
+    codes = half.view(np.uint16).reshape(host.shape[0], host.shape[1] // 32, 32)
+    return QuantMatrix(jnp.asarray(codes), None, None, w, target)
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """x [..., I] @ W: `w` an [I, O] array (a plain product), or a QuantMatrix [O, I] (`matmul`: its blocks
+    through the kernel for up to KERNEL_MAX_TOKENS rows)."""
+    if not isinstance(w, QuantMatrix):
+        return x @ w
+    out = matmul(w, x.reshape(-1, x.shape[-1]).T)
+    return out.T.reshape(*x.shape[:-1], out.shape[0])
+
+
 def take_rows(w, ids: jax.Array):
     """Rows `ids` of a [O, I] weight, quantized (a QuantMatrix of those rows' blocks) or not."""
     if not isinstance(w, QuantMatrix):
@@ -108,6 +132,6 @@ def matmul(w, x: jax.Array) -> jax.Array:
     """W[O, I] @ x[I, M] -> [O, M]: the kernel for a QuantMatrix and M <= KERNEL_MAX_TOKENS, else XLA."""
     if not isinstance(w, QuantMatrix) or x.shape[1] > KERNEL_MAX_TOKENS or x.dtype != jnp.float32:
         return dense(w) @ x
-    args = (w.codes, w.scales) + (() if w.mins is None else (w.mins,)) + (x,)
+    args = tuple(a for a in (w.codes, w.scales, w.mins) if a is not None) + (x,)
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(w.target, out)(*args)

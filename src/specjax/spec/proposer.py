@@ -87,8 +87,16 @@ class DFlashProposer:
 
     def prepare(self, params, target):
         """Once per engine: cut the draft vocabulary's head rows (if any) out of the target head (its GGUF blocks
-        when the target head runs on the CPU kernels)."""
-        return dflash.with_draft_head(params, target.head_matrix)
+        when the target head runs on the CPU kernels); on the kernels, a bfloat16 drafter's matrices also go
+        through the BF16 kernel (dflash.with_bf16_kernel)."""
+        params = dflash.with_draft_head(params, target.head_matrix)
+        if target.attention_kernel is not None:  # the target was loaded onto specjax's CPU kernels
+            from specjax.kernels import quant_kernels
+
+            kernels = quant_kernels()
+            if kernels is not None:
+                params = dflash.with_bf16_kernel(params, kernels.targets["BF16"])
+        return params
 
 
 
