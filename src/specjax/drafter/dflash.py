@@ -15,8 +15,8 @@ Two optional specjax extensions of the z-lab format (absent from z-lab checkpoin
   MASK slots differ only through RoPE, and a small drafter confuses offsets).
 * `draft_ids` [V_d]: a draft vocabulary (sorted target ids).  Drafts are argmax over those rows of the target's
   output head only (`draft_head` [V_d, H], cut once from the target head by `with_draft_head`: its GGUF blocks
-  when the target head runs on the CPU kernels), then mapped back to target ids.  Tokens outside it are never drafted, which costs acceptance only when the target
-  writes them.
+  when the target head runs on the CPU kernels), then mapped back to target ids.  Tokens outside it are never
+  drafted, which costs acceptance only when the target writes them.
 """
 
 from __future__ import annotations

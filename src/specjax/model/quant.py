@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 # Widest product (tokens M of W[O, I] @ x[I, M]) that goes to the kernel.  Measured on SmolLM2's 30-layer
-# projection chain (2 cores, AVX-512; first measured there): kernel / XLA float32 = 5.7 / 18.5 ms at M = 1, 14.3 / 26.8 at M = 8,
-# 35.0 / 32.6 at M = 16 (docs/results/kflat.md).
+# projection chain (2 cores, AVX-512): kernel / XLA float32 = 5.7 / 18.5 ms at M = 1, 14.3 / 26.8 at M = 8,
+# 35.0 / 32.6 at M = 16 (docs/results/kflat.md; not re-measured on AVX2).
 KERNEL_MAX_TOKENS = 12
 
 # GGUF block formats the kernels read: bytes per block of 32 weights, offset of the codes, whether a min follows d.
@@ -114,9 +114,10 @@ def take_rows(w, ids: jax.Array):
     """Rows `ids` of a [O, I] weight, quantized (a QuantMatrix of those rows' blocks) or not."""
     if not isinstance(w, QuantMatrix):
         return jnp.take(w, ids, axis=0)
-    mins = None if w.mins is None else jnp.take(w.mins, ids, axis=0)
-    return QuantMatrix(jnp.take(w.codes, ids, axis=0), jnp.take(w.scales, ids, axis=0), mins,
-                       jnp.take(w.dense, ids, axis=0), w.target)
+    def take(a):
+        return None if a is None else jnp.take(a, ids, axis=0)
+
+    return QuantMatrix(take(w.codes), take(w.scales), take(w.mins), take(w.dense), w.target)
 
 
 def head_product(w, rows: jax.Array) -> jax.Array:
