@@ -11,7 +11,8 @@
 //
 // Layout (prepared at load time by specjax.model.quant): codes [O, I/32, bytes of one block's codes]
 // (Q4: 16 bytes, low nibbles = weights 0..15 of the block, high nibbles = 16..31; Q8: 32 int8; BF16: 32 uint16),
-// scales d and (Q4_1) mins m as float32 [O, I/32] (none for BF16).  Rows are split over the XLA:CPU intra-op thread pool.
+// scales d and (Q4_1) mins m as float32 [O, I/32] (none for BF16).  Rows are split over the XLA:CPU intra-op
+// thread pool.
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -32,7 +33,7 @@ struct Weights {
   const uint8_t* codes;
   const float* scales;  // not BF16
   const float* mins;    // Q4_1 only
-  int64_t blocks;     // I / 32
+  int64_t blocks;       // I / 32
 };
 
 template <Kind K>

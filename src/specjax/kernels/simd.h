@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include <immintrin.h>
 
@@ -40,25 +41,13 @@ inline Vec BF16ToFloat(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// exp(x) for x <= 0 (scores minus their maximum): Cody-Waite range reduction and a degree-6 Taylor polynomial
-// (truncation below 1.3e-7 relative on the reduced range); arguments below -87 give 0.
-inline Vec Exp(Vec x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_scalef_ps(p, n));
-}
+// The pieces of Exp (below) that differ between the instruction sets.
+using Mask = __mmask16;
+inline Vec Fnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, rounded once
+inline Mask Less(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+inline Vec ZeroWhere(Mask m, Vec v) { return _mm512_maskz_mov_ps(static_cast<__mmask16>(~m), v); }
+inline Vec RoundNearest(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec ScalePow2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n for integral n
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
@@ -89,25 +78,15 @@ inline Vec BF16ToFloat(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-// The same exp as the AVX-512 build, lane for lane: 2^n is built in the exponent field (n >= -126 after the
-// clamp, so it is a normal float) and p * 2^n rounds as scalef does.
-inline Vec Exp(Vec x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_NLT_UQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+using Mask = __m256;  // all-ones lanes where true
+inline Vec Fnma(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline Mask Less(Vec a, Vec b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+inline Vec ZeroWhere(Mask m, Vec v) { return _mm256_andnot_ps(m, v); }
+inline Vec RoundNearest(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// 2^n built in the exponent field: Exp's clamp keeps n >= -126, a normal float, so p * 2^n rounds as scalef does
+inline Vec ScalePow2(Vec p, Vec n) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 #else
@@ -115,5 +94,20 @@ inline Vec Exp(Vec x) {
 #endif
 
 inline void Pause() { _mm_pause(); }
+
+// exp(x) for x <= 0 (scores minus their maximum): Cody-Waite range reduction and a degree-6 Taylor polynomial
+// (truncation below 1.3e-7 relative on the reduced range); arguments below -87 give 0.  The same operations on
+// both instruction sets, lane for lane.
+inline Vec Exp(Vec x) {
+  const Vec lo = Set1(-87.0f);
+  const Mask under = Less(x, lo);
+  x = Max(x, lo);
+  const Vec n = RoundNearest(Mul(x, Set1(1.44269504088896341f)));
+  Vec r = Fnma(n, Set1(0.693359375f), x);
+  r = Fnma(n, Set1(-2.12194440e-4f), r);
+  Vec p = Set1(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = Fma(p, r, Set1(c));
+  return ZeroWhere(under, ScalePow2(p, n));
+}
 
 }  // namespace specjax_simd

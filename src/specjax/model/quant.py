@@ -5,8 +5,8 @@ weight), or for a bfloat16 drafter its bfloat16 bits (2 bytes), for the kernels 
 and the float32 matrix (the same values, bit for bit) for XLA.  `linear` and `head_product` are the drafters' and
 heads' views of the same product.  A product with few tokens (decoding, verification, small batches) reads the
 blocks: it is bound by the bytes of weights it streams, ~6x fewer than float32.  Wider products (prefill, large
-batches) are compute-bound and XLA's float32 dot is faster there.
-The split is a static shape test, `KERNEL_MAX_TOKENS`.
+batches) are compute-bound and XLA's float32 dot is faster there.  The split is a static shape test,
+`KERNEL_MAX_TOKENS`.
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ def take_rows(w, ids: jax.Array):
     """Rows `ids` of a [O, I] weight, quantized (a QuantMatrix of those rows' blocks) or not."""
     if not isinstance(w, QuantMatrix):
         return jnp.take(w, ids, axis=0)
+
     def take(a):
         return None if a is None else jnp.take(a, ids, axis=0)
 
