@@ -233,6 +233,24 @@ def test_train_drafter_draft_vocab_simulated_tau_init_and_time_limit(tiny_dirs, 
     assert grown[0]["step"] == 0 and grown[0]["sim"]["all"]["tau"] == tau
     assert json.loads(out4.strip().splitlines()[-1])["steps"] == 1
     assert load_drafter(os.path.join(out + "4", "drafter"), load_model(tiny_dirs["qwen3"]).config)[0].num_layers == 2
+    # a smaller block from --init keeps its first slots: trained for dflash@2 it drafts what the block-4 drafter
+    # drafts there, as simulated tau at block 3 shows for both (the engine's block for K = 2)
+    curve7, curve8 = str(tmp_path / "curve7.jsonl"), str(tmp_path / "curve8.jsonl")
+    init = ["--init", os.path.join(out, "drafter"), "--draft-vocab-size", "100", "--steps", "0",
+            "--draft-vocab-data", str(tmp_path / "heldout")]  # the vocabulary of another store, for both
+    _, err = run_cli(common[:-4] + ["--log", curve7, "--compile-cache", "", "--out", out + "7", "--block-size", "3"]
+                     + init)
+    assert f"of the response tokens of {tmp_path / 'heldout'}" in err
+    run_cli(common[:-4] + ["--log", curve8, "--compile-cache", "", "--out", out + "8", "--sim-block-size", "3"] + init)
+    cut, at3 = ([r for r in map(json.loads, open(c)) if "sim" in r][0] for c in (curve7, curve8))
+    assert cut["sim_block"] == at3["sim_block"] == 3 and cut["sim"] == at3["sim"]
+    assert len(cut["sim"]["all"]["tau"]) == 2 and cut["sim"]["toy"]["anchors"] == 3 * (40 - 10 - 3 + 1)
+    cfg7, w7 = load_drafter(os.path.join(out + "7", "drafter"), load_model(tiny_dirs["qwen3"]).config)
+    assert cfg7.block_size == 3 and w7.slot_embedding.shape == (3, 64)
+    np.testing.assert_array_equal(np.asarray(w7.slot_embedding), np.asarray(w.slot_embedding)[:3])
+    _, err = run_cli(common + ["--out", out + "9", "--init", os.path.join(out, "drafter"), "--block-size", "5"],
+                     ok=False)
+    assert "--block-size 5 exceeds the --init drafter's 4" in err
     _, err = run_cli(common + ["--out", out + "5", "--grow-layers", "1"], ok=False)
     assert "--grow-layers appends layers to a DFlash --init drafter" in err
     _, err = run_cli(common + ["--out", out + "6", "--distill", "1.5"], ok=False)

@@ -162,7 +162,11 @@ def cmd_train_drafter(args) -> int:
     target = load_model(args.target, DTYPES["float32"])
     store = TokenStore(args.data)
     ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None
-    cfg = TrainConfig(block_size=args.block_size, batch_size=args.batch_size, num_anchors=args.num_anchors,
+    if args.block_size is not None and args.block_size < 2:
+        raise SystemExit(f"error: --block-size must be >= 2, got {args.block_size}")
+    if args.sim_block_size is not None and (args.method != "dflash" or args.sim_block_size < 2):
+        raise SystemExit(f"error: --sim-block-size {args.sim_block_size} needs --method dflash and a block >= 2")
+    cfg = TrainConfig(block_size=args.block_size or 16, batch_size=args.batch_size, num_anchors=args.num_anchors,
                       max_len=args.max_len, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
                       weight_decay=args.weight_decay, gamma=args.gamma, dpace_alpha=args.dpace_alpha, seed=args.seed,
                       distill=args.distill, save_every=args.save_every,
@@ -174,7 +178,8 @@ def cmd_train_drafter(args) -> int:
         background = None
         if args.draft_vocab_text and target.tokenizer is not None:
             background = background_counts(target.tokenizer, vocab, args.data_dir, args.sharegpt_file)
-        draft_ids, coverage = draft_vocabulary(store, vocab, args.draft_vocab_size, background)
+        vocab_store = TokenStore(args.draft_vocab_data) if args.draft_vocab_data else store
+        draft_ids, coverage = draft_vocabulary(vocab_store, vocab, args.draft_vocab_size, background)
     if args.method == "dflash":
         if args.init:  # the drafter's weights do not depend on the vocabulary: it is chosen anew from the data
             import dataclasses
@@ -182,20 +187,28 @@ def cmd_train_drafter(args) -> int:
             from specjax.drafter.loader import load_drafter
 
             dcfg, _ = load_drafter(args.init, target.config)
+            block = args.block_size or dcfg.block_size
+            if block > dcfg.block_size and dcfg.has_slot_embedding:
+                raise SystemExit(f"error: --block-size {block} exceeds the --init drafter's {dcfg.block_size}: its "
+                                 "slot offsets exist only for the block it was trained with")
             dcfg = dataclasses.replace(dcfg, draft_vocab_size=0 if draft_ids is None else len(draft_ids),
-                                       num_layers=dcfg.num_layers + args.grow_layers)
-            cfg = dataclasses.replace(cfg, block_size=dcfg.block_size)
+                                       num_layers=dcfg.num_layers + args.grow_layers, block_size=block)
+            cfg = dataclasses.replace(cfg, block_size=block)
         else:
-            dcfg = drafter_config_for(target.config, num_layers=args.layers, block_size=args.block_size,
+            dcfg = drafter_config_for(target.config, num_layers=args.layers, block_size=cfg.block_size,
                                       target_layer_ids=ids, num_taps=args.num_taps,
                                       intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
                                       slot_embedding=args.slot_embedding,
                                       draft_vocab_size=0 if draft_ids is None else len(draft_ids))
+        if args.sim_block_size is not None and args.sim_block_size > cfg.block_size:
+            raise SystemExit(f"error: --sim-block-size {args.sim_block_size} exceeds the training block "
+                             f"{cfg.block_size}")
         init_layers = tuple(int(x) for x in args.init_target_layers.split(",")) if args.init_target_layers else None
         method = DFlashMethod(dcfg, cfg.block_size, args.num_anchors, cfg.decay,
                               draft_ids=None if draft_ids is None else tuple(int(i) for i in draft_ids),
                               init_layers=init_layers, dpace_alpha=cfg.dpace_alpha, distill=cfg.distill,
-                              teacher_tap=target.config.num_layers, teacher_eps=target.config.rms_norm_eps)
+                              teacher_tap=target.config.num_layers, teacher_eps=target.config.rms_norm_eps,
+                              sim_block=args.sim_block_size)
     else:
         from specjax.drafter.eagle3_loader import eagle3_config_for
 
@@ -210,7 +223,8 @@ def cmd_train_drafter(args) -> int:
         method = Eagle3Method(ecfg, tuple(int(i) for i in draft_ids), target.config.num_layers, args.ttt_steps,
                               args.num_draft_tokens)
     if draft_ids is not None:
-        print(f"draft vocabulary: {len(draft_ids)} tokens covering {100 * coverage:.2f}% of response tokens",
+        print(f"draft vocabulary: {len(draft_ids)} tokens covering {100 * coverage:.2f}% of the response tokens of "
+              f"{args.draft_vocab_data or args.data}",
               file=sys.stderr)
     eval_sets = {}
     if args.eval_prompts > 0 and target.tokenizer is not None:
@@ -283,7 +297,12 @@ def register(sub) -> None:
     t.add_argument("--out", required=True)
     t.add_argument("--method", default="dflash", choices=["dflash", "eagle3"])
     t.add_argument("--layers", type=int, default=2, help="DFlash drafter layers")
-    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--block-size", type=int, default=None,
+                   help="DFlash block, anchor included (default 16, or the --init drafter's; a smaller one than "
+                        "--init's keeps its first slots)")
+    t.add_argument("--sim-block-size", type=int, default=None,
+                   help="DFlash: the block simulated tau drafts (default the training block; K + 1 is what "
+                        "`dflash@K` drafts in the engine)")
     t.add_argument("--num-taps", type=int, default=5)
     t.add_argument("--target-layer-ids", default=None,
                    help="DFlash: target layers whose OUTPUT is tapped; EAGLE-3: hidden-state indices (layer inputs)")
@@ -292,6 +311,9 @@ def register(sub) -> None:
     t.add_argument("--draft-vocab-text", action=argparse.BooleanOptionalAction, default=True,
                    help="rank tokens the data never shows by their counts in the training sources' existing "
                         "answers (tokenizer only)")
+    t.add_argument("--draft-vocab-data", default=None,
+                   help="token store whose responses choose the draft vocabulary (default --data; e.g. the whole "
+                        "store when --data is a slice of it)")
     t.add_argument("--sharegpt-file", default=None)
     t.add_argument("--slot-embedding", action=argparse.BooleanOptionalAction, default=True,
                    help="DFlash: learned per-slot input offsets (optional specjax tensor; z-lab checkpoints lack it)")

@@ -244,10 +244,14 @@ class DFlashMethod:
     distill: float = 0.0  # weight of the KL to the target's own next-token distribution (objective.dflash_loss)
     teacher_tap: int | None = None  # hidden-state index of the target's last layer (its num_layers), for distill
     teacher_eps: float = 1e-6  # the target's rms_norm_eps (its final norm)
+    sim_block: int | None = None  # block simulated tau drafts (anchor included; default block_size)
 
     def __post_init__(self):
         if self.distill and self.teacher_tap is None:
             raise ValueError("distillation needs teacher_tap (the target's num_layers)")
+        if self.sim_block is not None and not 2 <= self.sim_block <= self.block_size:
+            raise ValueError(f"simulated tau's block {self.sim_block} must be in [2, the training block "
+                             f"{self.block_size}]")
 
     @property
     def tap_indices(self):
@@ -263,8 +267,9 @@ class DFlashMethod:
 
     @property
     def sim_span(self) -> int:
-        """Block size simulated tau scores (HeldOutSet): the drafter's block, anchor included."""
-        return self.block_size
+        """Block size simulated tau drafts and scores (HeldOutSet), anchor included: `dflash@K` in the engine
+        drafts a block of K + 1, so tau(K) at span K + 1 is the engine's own setting."""
+        return self.sim_block or self.block_size
 
     def init_params(self, key, target, tap_rms=None):
         from specjax.drafter.loader import init_drafter
@@ -309,7 +314,7 @@ class DFlashMethod:
     def simulate(self, params, consts, tokens, taps, mask, lengths, anchors, keep):
         embed, head, t2d, _ = consts
         return simulated_acceptance(params, self.dcfg, embed, head, tokens, self.split_taps(taps)[0], mask, lengths,
-                                    anchors, keep, self.block_size, t2d)
+                                    anchors, keep, self.sim_span, t2d)
 
     def full(self, params):
         """Trainable params -> a complete drafter (the draft vocabulary attached)."""
@@ -321,8 +326,14 @@ class DFlashMethod:
         save_drafter(path, self.dcfg, self.full(params), dtype=dtype)
 
     def load(self, path, tcfg):
-        """A saved drafter's weights, grown to this method's layer count when it has fewer (`grow_layers`)."""
+        """A saved drafter's weights, grown to this method's layer count when it has fewer (`grow_layers`), its
+        slot offsets cut to this method's block when that is smaller (the first slots keep theirs)."""
         params = dataclasses.replace(load_drafter(path, tcfg)[1], draft_ids=None)
+        if params.slot_embedding is not None:
+            if params.slot_embedding.shape[0] < self.dcfg.block_size:
+                raise ValueError(f"{path} has slot offsets for a block of {params.slot_embedding.shape[0]}, not "
+                                 f"{self.dcfg.block_size}")
+            params = dataclasses.replace(params, slot_embedding=params.slot_embedding[:self.dcfg.block_size])
         return grow_layers(params, self.dcfg, jax.random.PRNGKey(len(params.layers)))
 
     def evaluate(self, target, params, prompts, max_new_tokens):
@@ -566,7 +577,8 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
 
     def simulate(step):
         sim = heldout.evaluate(method, on_one_device(params), eval_consts)
-        write({"step": step, "hours": hours0 + (time.perf_counter() - t_start) / 3600, "sim": sim})
+        write({"step": step, "hours": hours0 + (time.perf_counter() - t_start) / 3600, "sim": sim,
+               "sim_block": method.sim_span})
         bar.write(f"step {step}: simulated tau(K={len(sim['all']['tau'])}) = {sim['all']['tau'][-1]:.3f}, "
                   f"tau(3) = {sim['all']['tau'][min(2, len(sim['all']['tau']) - 1)]:.3f}")
         summary["sim"] = sim
