@@ -2,6 +2,7 @@
 by XLA thunk kind (fusions, FFI kernels, dots), with the share of each.
 
     python scripts/profile_step.py [--q 4] [--context 512] [--no-quant-kernels] [--steps 5] [--out DIR]
+    python scripts/profile_step.py --drafter [DIR] --q 4     # the DFlash drafter's forward for a block of q
 
 Tracing adds a fixed cost to every thunk, so small thunks read high; use it for where the time goes, not for
 how long a step takes (that is `specjax analyze kflat`).
@@ -49,12 +50,21 @@ def main() -> None:
     p.add_argument("--quant-kernels", default=True, action=argparse.BooleanOptionalAction)
     p.add_argument("--out", default=None, help="keep the trace here (default: a temporary directory)")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--drafter", nargs="?", const="default", default=None,
+                   help="trace the DFlash drafter's forward (a block of --q) instead; default: the shipped one")
     args = p.parse_args()
-    from specjax.bench.kflat import verify_steps
+    from specjax.bench.kflat import draft_step, verify_steps
     from specjax.model.loader import load_model
 
     model = load_model(args.model, quant_kernels=args.quant_kernels)
-    step = verify_steps(model.config, model.weights, [args.q], args.context)[args.q]
+    if args.drafter is not None:
+        from specjax.llm import build_proposer, default_drafter_path
+
+        path = default_drafter_path() if args.drafter == "default" else args.drafter
+        proposer, pweights = build_proposer("dflash", model, path)
+        step = draft_step(proposer, pweights, model.weights, args.context, args.q)
+    else:
+        step = verify_steps(model.config, model.weights, [args.q], args.context)[args.q]
     for _ in range(3):
         jax.block_until_ready(step())
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,8 +37,8 @@ def test_geometric_fit_recovers_alpha_from_synthetic_traces():
 
 def test_bench_and_theory_cli_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "bench"
-    assert main(["bench", "--model", tiny_dirs["qwen3"], "--methods", "ar,ngram@2,dflash", "--drafter", "random:1",
-                 "--block-size", "4", "--datasets", "gsm8k,mt_bench", "--num-prompts", "1", "--max-new-tokens", "8",
+    assert main(["bench", "--model", tiny_dirs["qwen3"], "--methods", "ar,ngram@2,dflash,dflash@2",
+                 "--drafter", "random:1", "--block-size", "4", "--datasets", "gsm8k,mt_bench", "--num-prompts", "1", "--max-new-tokens", "8",
                  "--max-model-len", "1024", "--out-dir", str(out), "--compile-cache", ""]) == 0
     stdout = capsys.readouterr().out
     assert "| gsm8k | dflash |" in stdout and "| mt_bench | ngram@2 |" in stdout
@@ -48,6 +48,8 @@ def test_bench_and_theory_cli_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     assert all(r["matches_ar"] for r in record["records"])  # greedy: every method reproduces plain decoding
     assert recs[("gsm8k", "ar")]["speedup_vs_ar"] == pytest.approx(1.0)
     assert recs[("gsm8k", "ngram@2")]["num_draft_tokens"] == 2 and recs[("gsm8k", "dflash")]["block_size"] == 4
+    # dflash@K drafts from --block-size when one is given (else a block of K + 1)
+    assert recs[("gsm8k", "dflash@2")]["num_draft_tokens"] == 2 and recs[("gsm8k", "dflash@2")]["block_size"] == 4
     assert (out / "bench_speedup.png").exists() and (out / "bench_per_position.png").exists()
     kflat = tmp_path / "kflat"
     assert main(["analyze", "kflat", "--model", tiny_dirs["qwen3"], "--q", "1,2,4,8", "--context", "32",

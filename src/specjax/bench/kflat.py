@@ -91,21 +91,28 @@ def verify_steps(tcfg, tweights, qs, context_len: int, batch: int = 1, page_size
     return {q: make_step(q) for q in qs}
 
 
-def draft_costs(proposer, pweights, tweights, context_len: int, block_sizes, repeats: int = 15,
-                page_size: int = 16) -> list[dict]:
-    """Median seconds of one DFlash drafter forward (block of Q) against `context_len` cached context rows."""
+def draft_step(proposer, pweights, tweights, context_len: int, block_size: int, page_size: int = 16):
+    """One DFlash drafter forward (a block of `block_size`) against `context_len` cached context rows, as a
+    callable returning its drafts (block on them to time it): what draft_costs times and scripts/profile_step.py
+    traces."""
     from specjax.spec.proposer import DFlashProposer
 
     pages = -(-(context_len + 1) // page_size)
+    prop = DFlashProposer(proposer.cfg, block_size)
+    pw = prop.prepare(pweights, tweights)
+    state = prop.init_state(pages + 1, page_size, tweights.embed.dtype)
+    table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
+    fn = jax.jit(lambda pw, st, tw: prop.propose(pw, st, tw, jnp.zeros(1, jnp.int32),
+                                                   jnp.full(1, context_len, jnp.int32), table, block_size - 1))
+    return lambda: fn(pw, state, tweights)
+
+
+def draft_costs(proposer, pweights, tweights, context_len: int, block_sizes, repeats: int = 15,
+                page_size: int = 16) -> list[dict]:
+    """Median seconds of one DFlash drafter forward (block of Q) against `context_len` cached context rows."""
     results = []
     for q in block_sizes:
-        prop = DFlashProposer(proposer.cfg, q)
-        pw = prop.prepare(pweights, tweights)
-        state = prop.init_state(pages + 1, page_size, tweights.embed.dtype)
-        table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
-        fn = jax.jit(lambda pw, st, tw: prop.propose(pw, st, tw, jnp.zeros(1, jnp.int32),
-                                                       jnp.full(1, context_len, jnp.int32), table, q - 1))
-        times = time_call(lambda: fn(pw, state, tweights), repeats)
+        times = time_call(draft_step(proposer, pweights, tweights, context_len, q, page_size), repeats)
         results.append({"block_size": q, "median_s": statistics.median(times), "repeats": repeats})
     return results
 

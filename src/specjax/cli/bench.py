@@ -45,10 +45,10 @@ def cmd_bench(args) -> int:
     datasets = {name: load_eval(name, args.data_dir, args.data_file)[:num_prompts] for name in datasets_arg.split(",")}
     params = SamplingParams(temperature=args.temperature, max_new_tokens=max_new, seed=args.seed)
     llms = {}
-    for spec in methods:  # "name" or "name@K" (K drafts per step; for dflash a block of K + 1)
+    for spec in methods:  # "name" or "name@K" (K drafts per step; for dflash a block of --block-size, else K + 1)
         name, _, k = spec.partition("@")
         k = int(k) if k else (args.num_draft_tokens if name != "ar" else None)
-        block = (k + 1) if (name == "dflash" and "@" in spec) else args.block_size
+        block = (args.block_size or k + 1) if (name == "dflash" and "@" in spec) else args.block_size
         cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=k)
         drafter = {"dflash": args.drafter, "eagle3": args.eagle3_drafter}.get(name)
         llms[spec] = LLM(args.model, drafter, name, block, cfg, args.dtype, target=target,
@@ -209,7 +209,9 @@ def register(sub) -> None:
     b.add_argument("--model", default=None)
     b.add_argument("--drafter", default=None, help="DFlash drafter (default: the shipped one)")
     b.add_argument("--eagle3-drafter", default=None, help="EAGLE-3 drafter (default: the shipped one)")
-    b.add_argument("--block-size", type=int, default=None)
+    b.add_argument("--block-size", type=int, default=None,
+                   help="DFlash block the drafts come from (default: K + 1 for dflash@K, else the drafter's); "
+                        "a drafter trained on a larger block often drafts its first slots better from that block")
     b.add_argument("--num-draft-tokens", type=int, default=None)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--seed", type=int, default=0)

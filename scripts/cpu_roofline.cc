@@ -1,0 +1,97 @@
+// The CPU's two ceilings for a decode / verify step (scripts/cpu_roofline.py builds and runs this):
+//   fma    float32 multiply-adds per second (12 independent accumulator chains of vector FMAs per thread)
+//   read   bytes per second streamed from memory (a buffer far larger than the caches, summed with vector loads)
+// each with 1 thread and with every thread the machine has.  Prints one JSON object.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kLanes = 16;
+inline Vec Set1(float x) { return _mm512_set1_ps(x); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec Load(const float* p) { return _mm512_load_ps(p); }
+inline float First(Vec v) { return _mm512_cvtss_f32(v); }
+#else
+using Vec = __m256;
+constexpr int kLanes = 8;
+inline Vec Set1(float x) { return _mm256_set1_ps(x); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec Load(const float* p) { return _mm256_load_ps(p); }
+inline float First(Vec v) { return _mm256_cvtss_f32(v); }
+#endif
+
+static double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// 12 chains x iters FMAs of kLanes lanes; returns a value so the work is not optimized away
+static float FmaLoop(int64_t iters) {
+  Vec a[12];
+  for (int i = 0; i < 12; ++i) a[i] = Set1(1.0f + i * 1e-3f);
+  const Vec m = Set1(0.9999999f), c = Set1(1e-7f);
+  for (int64_t n = 0; n < iters; ++n)
+    for (int i = 0; i < 12; ++i) a[i] = Fma(a[i], m, c);
+  Vec s = a[0];
+  for (int i = 1; i < 12; ++i) s = Add(s, a[i]);
+  return First(s);
+}
+
+static float ReadLoop(const float* p, int64_t n, int reps) {
+  Vec s0 = Set1(0), s1 = Set1(0), s2 = Set1(0), s3 = Set1(0);
+  for (int r = 0; r < reps; ++r)
+    for (int64_t i = 0; i < n; i += 4 * kLanes) {
+      s0 = Add(s0, Load(p + i));
+      s1 = Add(s1, Load(p + i + kLanes));
+      s2 = Add(s2, Load(p + i + 2 * kLanes));
+      s3 = Add(s3, Load(p + i + 3 * kLanes));
+    }
+  return First(Add(Add(s0, s1), Add(s2, s3)));
+}
+
+// median over `trials` of the rate (units per second) of fn run on `threads` threads at once
+template <class F>
+static double Rate(int threads, int trials, double units_per_thread, F fn) {
+  std::vector<double> rates;
+  for (int t = 0; t < trials; ++t) {
+    std::vector<std::thread> pool;
+    const double t0 = Now();
+    for (int k = 0; k < threads; ++k) pool.emplace_back([&, k] { fn(k); });
+    for (auto& th : pool) th.join();
+    rates.push_back(threads * units_per_thread / (Now() - t0));
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+int main() {
+  const int all = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t iters = 200000000 / kLanes;
+  volatile float sink = 0;
+  const double flop = 2.0 * 12 * kLanes * iters;  // one FMA = 2 flops per lane
+  const double fma1 = Rate(1, 5, flop, [&](int) { sink = sink + FmaLoop(iters); });
+  const double fmaN = Rate(all, 5, flop, [&](int) { sink = sink + FmaLoop(iters); });
+  const int64_t n = (int64_t)1 << 26;  // 256 MiB of float32 per thread
+  std::vector<float*> bufs(all);
+  for (int k = 0; k < all; ++k) {
+    bufs[k] = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
+    for (int64_t i = 0; i < n; ++i) bufs[k][i] = 1.0f;
+  }
+  const double bytes = 4.0 * n * 2;
+  const double read1 = Rate(1, 5, bytes, [&](int k) { sink = sink + ReadLoop(bufs[k], n, 2); });
+  const double readN = Rate(all, 5, bytes, [&](int k) { sink = sink + ReadLoop(bufs[k], n, 2); });
+  std::printf("{\"lanes\": %d, \"threads\": %d, \"fma_gflops_1\": %.1f, \"fma_gflops_all\": %.1f, "
+              "\"read_gbs_1\": %.2f, \"read_gbs_all\": %.2f}\n",
+              kLanes, all, fma1 / 1e9, fmaN / 1e9, read1 / 1e9, readN / 1e9);
+  for (auto* b : bufs) std::free(b);
+  return 0;
+}
