@@ -38,8 +38,8 @@ def test_geometric_fit_recovers_alpha_from_synthetic_traces():
 def test_bench_and_theory_cli_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "bench"
     assert main(["bench", "--model", tiny_dirs["qwen3"], "--methods", "ar,ngram@2,dflash,dflash@2",
-                 "--drafter", "random:1", "--block-size", "4", "--datasets", "gsm8k,mt_bench", "--num-prompts", "1", "--max-new-tokens", "8",
-                 "--max-model-len", "1024", "--out-dir", str(out), "--compile-cache", ""]) == 0
+                 "--drafter", "random:1", "--block-size", "4", "--datasets", "gsm8k,mt_bench", "--num-prompts", "1",
+                 "--max-new-tokens", "8", "--max-model-len", "1024", "--out-dir", str(out), "--compile-cache", ""]) == 0
     stdout = capsys.readouterr().out
     assert "| gsm8k | dflash |" in stdout and "| mt_bench | ngram@2 |" in stdout
     record = json.loads((out / "bench.json").read_text())
