@@ -2,8 +2,6 @@
 //   fma    float32 multiply-adds per second (12 independent accumulator chains of vector FMAs per thread)
 //   read   bytes per second streamed from memory (a buffer far larger than the caches, summed with vector loads)
 // each with 1 thread and with every thread the machine has.  Prints one JSON object.
-#include <immintrin.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -12,23 +10,9 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int kLanes = 16;
-inline Vec Set1(float x) { return _mm512_set1_ps(x); }
-inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline Vec Load(const float* p) { return _mm512_load_ps(p); }
-inline float First(Vec v) { return _mm512_cvtss_f32(v); }
-#else
-using Vec = __m256;
-constexpr int kLanes = 8;
-inline Vec Set1(float x) { return _mm256_set1_ps(x); }
-inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline Vec Load(const float* p) { return _mm256_load_ps(p); }
-inline float First(Vec v) { return _mm256_cvtss_f32(v); }
-#endif
+#include "simd.h"  // the kernels' vector operations (src/specjax/kernels): AVX-512F or AVX2 + FMA
+
+using namespace specjax_simd;
 
 static double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -43,7 +27,7 @@ static float FmaLoop(int64_t iters) {
     for (int i = 0; i < 12; ++i) a[i] = Fma(a[i], m, c);
   Vec s = a[0];
   for (int i = 1; i < 12; ++i) s = Add(s, a[i]);
-  return First(s);
+  return Sum(s);
 }
 
 static float ReadLoop(const float* p, int64_t n, int reps) {
@@ -55,7 +39,7 @@ static float ReadLoop(const float* p, int64_t n, int reps) {
       s2 = Add(s2, Load(p + i + 2 * kLanes));
       s3 = Add(s3, Load(p + i + 3 * kLanes));
     }
-  return First(Add(Add(s0, s1), Add(s2, s3)));
+  return Sum(Add(Add(s0, s1), Add(s2, s3)));
 }
 
 // median over `trials` of the rate (units per second) of fn run on `threads` threads at once

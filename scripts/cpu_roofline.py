@@ -22,7 +22,8 @@ def measure() -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "roofline")
-        subprocess.run(["g++", "-O3", "-march=native", "-std=c++17", "-pthread",
+        kernels = os.path.join(here, "..", "src", "specjax", "kernels")
+        subprocess.run(["g++", "-O3", "-march=native", "-std=c++17", "-pthread", f"-I{kernels}",
                         os.path.join(here, "cpu_roofline.cc"), "-o", exe], check=True)
         return json.loads(subprocess.run([exe], check=True, capture_output=True, text=True).stdout)
 
