@@ -1,7 +1,7 @@
 """The floor under a decode / verify step on this CPU: measured float32 FMA peak and memory read bandwidth
 (scripts/cpu_roofline.cc), against the bytes a step streams and the multiply-adds it does per token.
 
-    python scripts/cpu_roofline.py [--model PATH] [--kflat docs/results/kflat-ab-b1.json] [--out FILE]
+    python scripts/cpu_roofline.py [--model PATH] [--kflat docs/results/kernels/avx2-kflat-ab-b1.json:B] [--out FILE]
 
 For q tokens a step reads every quantized weight block once (bytes B) and does q x M multiply-adds (M = the
 weights' count), so t(q) >= max(B / read bandwidth, 2 q M / FMA peak); the kernels' weight decoding and

@@ -251,6 +251,8 @@ def test_train_drafter_draft_vocab_simulated_tau_init_and_time_limit(tiny_dirs, 
     _, err = run_cli(common + ["--out", out + "9", "--init", os.path.join(out, "drafter"), "--block-size", "5"],
                      ok=False)
     assert "--block-size 5 exceeds the --init drafter's 4" in err
+    _, err = run_cli(common + ["--out", out + "10", "--sim-block-size", "5"], ok=False)
+    assert "--sim-block-size 5 must be in [2, the training block 4]" in err
     _, err = run_cli(common + ["--out", out + "5", "--grow-layers", "1"], ok=False)
     assert "--grow-layers appends layers to a DFlash --init drafter" in err
     _, err = run_cli(common + ["--out", out + "6", "--distill", "1.5"], ok=False)

@@ -164,8 +164,8 @@ def cmd_train_drafter(args) -> int:
     ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None
     if args.block_size is not None and args.block_size < 2:
         raise SystemExit(f"error: --block-size must be >= 2, got {args.block_size}")
-    if args.sim_block_size is not None and (args.method != "dflash" or args.sim_block_size < 2):
-        raise SystemExit(f"error: --sim-block-size {args.sim_block_size} needs --method dflash and a block >= 2")
+    if args.sim_block_size is not None and args.method != "dflash":
+        raise SystemExit("error: --sim-block-size is for --method dflash")
     cfg = TrainConfig(block_size=args.block_size or 16, batch_size=args.batch_size, num_anchors=args.num_anchors,
                       max_len=args.max_len, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
                       weight_decay=args.weight_decay, gamma=args.gamma, dpace_alpha=args.dpace_alpha, seed=args.seed,
@@ -200,15 +200,15 @@ def cmd_train_drafter(args) -> int:
                                       intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
                                       slot_embedding=args.slot_embedding,
                                       draft_vocab_size=0 if draft_ids is None else len(draft_ids))
-        if args.sim_block_size is not None and args.sim_block_size > cfg.block_size:
-            raise SystemExit(f"error: --sim-block-size {args.sim_block_size} exceeds the training block "
-                             f"{cfg.block_size}")
         init_layers = tuple(int(x) for x in args.init_target_layers.split(",")) if args.init_target_layers else None
-        method = DFlashMethod(dcfg, cfg.block_size, args.num_anchors, cfg.decay,
-                              draft_ids=None if draft_ids is None else tuple(int(i) for i in draft_ids),
-                              init_layers=init_layers, dpace_alpha=cfg.dpace_alpha, distill=cfg.distill,
-                              teacher_tap=target.config.num_layers, teacher_eps=target.config.rms_norm_eps,
-                              sim_block=args.sim_block_size)
+        try:
+            method = DFlashMethod(dcfg, cfg.block_size, args.num_anchors, cfg.decay,
+                                  draft_ids=None if draft_ids is None else tuple(int(i) for i in draft_ids),
+                                  init_layers=init_layers, dpace_alpha=cfg.dpace_alpha, distill=cfg.distill,
+                                  teacher_tap=target.config.num_layers, teacher_eps=target.config.rms_norm_eps,
+                                  sim_block=args.sim_block_size)
+        except ValueError as e:  # DFlashMethod checks its own settings (e.g. --sim-block-size against the block)
+            raise SystemExit(f"error: {e}") from None
     else:
         from specjax.drafter.eagle3_loader import eagle3_config_for
 

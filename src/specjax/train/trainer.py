@@ -250,7 +250,7 @@ class DFlashMethod:
         if self.distill and self.teacher_tap is None:
             raise ValueError("distillation needs teacher_tap (the target's num_layers)")
         if self.sim_block is not None and not 2 <= self.sim_block <= self.block_size:
-            raise ValueError(f"simulated tau's block {self.sim_block} must be in [2, the training block "
+            raise ValueError(f"--sim-block-size {self.sim_block} must be in [2, the training block "
                              f"{self.block_size}]")
 
     @property
