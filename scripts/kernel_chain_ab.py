@@ -1,0 +1,120 @@
+"""Paired A/B of the quantized matmul kernel (kernels/quant_matmul.cc) of two git revisions on one decode step's chain
+of products: SmolLM2-135M's 30 x (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) Q4_1 matrices and its
+49152x576 Q8_0 head, every matrix a distinct device buffer (111 MB streamed per step, as in decoding), for M = 1, 4, 8
+tokens, the two kernels interleaved in one process.  Only the products: no attention, norms or dispatch of a real
+step, so a kernel change shows at the resolution a full `specjax analyze kflat` A/B cannot reach on a noisy VM.
+
+    python scripts/kernel_chain_ab.py --a HEAD --b int8-activations [--reps 15] [--m 1,4,8] [--out FILE]
+    taskset -c 1 python scripts/kernel_chain_ab.py ...   # one core
+
+A revision's kernel is built from its kernels/quant_matmul.cc and headers (`git show`); WORKTREE means the working
+tree.  Each reports the median and minimum over reps of the whole chain (ms) and B's speedup over A.
+"""
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.kernels import build
+from specjax.model.quant import HostBlocks, matmul, to_device
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNEL_DIR = "src/specjax/kernels"
+CHAIN = [("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536)] * 30 + [
+    ("Q8_0", 49152, 576)]
+
+
+def kernel_sources(rev: str, out: str) -> str:
+    """The kernel sources of `rev` copied into out/ -> the path of its quant_matmul.cc."""
+    os.makedirs(out, exist_ok=True)
+    names = [n for n in os.listdir(os.path.join(ROOT, KERNEL_DIR)) if n.endswith((".cc", ".h"))]
+    if rev != "WORKTREE":
+        listing = subprocess.run(["git", "-C", ROOT, "ls-tree", "--name-only", f"{rev}:{KERNEL_DIR}"], check=True,
+                                 capture_output=True, text=True).stdout.split()
+        names = [n for n in listing if n.endswith((".cc", ".h"))]
+    for name in names:
+        if rev == "WORKTREE":
+            with open(os.path.join(ROOT, KERNEL_DIR, name), "rb") as fh:
+                data = fh.read()
+        else:
+            data = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{KERNEL_DIR}/{name}"], check=True,
+                                  capture_output=True).stdout
+        with open(os.path.join(out, name), "wb") as fh:
+            fh.write(data)
+    return os.path.join(out, "quant_matmul.cc")
+
+
+def register(rev: str, tag: str, tmp: str) -> None:
+    source = kernel_sources(rev, os.path.join(tmp, tag))
+    lib = ctypes.CDLL(build(source, jax.ffi.include_dir(), os.path.join(tmp, tag, "build"), "g++", tag))
+    for kind in ("Q4_1", "Q8_0"):
+        jax.ffi.register_ffi_target(f"chain_{tag}_{kind}", jax.ffi.pycapsule(getattr(lib, f"Specjax{kind}")),
+                                    platform="cpu")
+
+
+def chain(ws, x):
+    total = jnp.float32(0)
+    for w in ws:
+        total = total + matmul(w, x[: w.shape[1]]).sum()
+    return total
+
+
+def main() -> int:
+    import gguf
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--a", default="HEAD", help="git revision of A (or WORKTREE)")
+    p.add_argument("--b", default="WORKTREE", help="git revision of B (or WORKTREE)")
+    p.add_argument("--m", default="1,4,8", help="tokens per product")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        register(args.a, "a", tmp)
+        register(args.b, "b", tmp)
+        blocks = {}
+        for kind, rows, cols in set(CHAIN):
+            data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                                        gguf.GGMLQuantizationType[kind])
+            blocks[(kind, rows, cols)] = HostBlocks.from_gguf(data, kind)
+        # the float32 side of each QuantMatrix is never read at M <= KERNEL_MAX_TOKENS: zeros stand in for it
+        mats = [to_device(blocks[s], jnp.zeros(s[1:], jnp.float32), "") for s in CHAIN]
+        sides = {tag: [dataclasses.replace(w, target=f"chain_{tag}_{s[0]}") for w, s in zip(mats, CHAIN)]
+                 for tag in ("a", "b")}
+        step = jax.jit(chain)
+        report = {"a": args.a, "b": args.b, "threads": len(os.sched_getaffinity(0)), "m": {}}
+        for m in [int(v) for v in args.m.split(",")]:
+            x = jnp.asarray(rng.standard_normal((max(s[2] for s in CHAIN), m)).astype(np.float32))
+            times = {"a": [], "b": []}
+            for tag in times:
+                step(sides[tag], x).block_until_ready()
+            for _ in range(args.reps):
+                for tag in times:
+                    t = time.perf_counter()
+                    step(sides[tag], x).block_until_ready()
+                    times[tag].append((time.perf_counter() - t) * 1e3)
+            row = {f"{tag}_{stat}": round(float(f(v)), 3) for tag, v in times.items()
+                   for stat, f in (("median_ms", np.median), ("min_ms", np.min))}
+            row["speedup_median"] = round(row["a_median_ms"] / row["b_median_ms"], 3)
+            report["m"][m] = row
+            print(f"M={m}: A {row['a_median_ms']:.2f} ms (min {row['a_min_ms']:.2f})  B {row['b_median_ms']:.2f} ms "
+                  f"(min {row['b_min_ms']:.2f})  B speedup {row['speedup_median']:.2f}x", flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
