@@ -16,6 +16,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels import build
+from specjax.kernels import QUANT_HANDLERS, build
 from specjax.model.quant import HostBlocks, matmul, to_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,30 +36,29 @@ CHAIN = [("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576), ("Q4_1", 5
 
 
 def kernel_sources(rev: str, out: str) -> str:
-    """The kernel sources of `rev` copied into out/ -> the path of its quant_matmul.cc."""
+    """The kernel sources (.cc, .h) of `rev` (or the working tree) copied into out/ -> its quant_matmul.cc."""
     os.makedirs(out, exist_ok=True)
-    names = [n for n in os.listdir(os.path.join(ROOT, KERNEL_DIR)) if n.endswith((".cc", ".h"))]
-    if rev != "WORKTREE":
-        listing = subprocess.run(["git", "-C", ROOT, "ls-tree", "--name-only", f"{rev}:{KERNEL_DIR}"], check=True,
-                                 capture_output=True, text=True).stdout.split()
-        names = [n for n in listing if n.endswith((".cc", ".h"))]
-    for name in names:
+    if rev == "WORKTREE":
+        names = os.listdir(os.path.join(ROOT, KERNEL_DIR))
+    else:
+        names = subprocess.run(["git", "-C", ROOT, "ls-tree", "--name-only", f"{rev}:{KERNEL_DIR}"], check=True,
+                               capture_output=True, text=True).stdout.split()
+    for name in (n for n in names if n.endswith((".cc", ".h"))):
         if rev == "WORKTREE":
-            with open(os.path.join(ROOT, KERNEL_DIR, name), "rb") as fh:
-                data = fh.read()
+            shutil.copyfile(os.path.join(ROOT, KERNEL_DIR, name), os.path.join(out, name))
         else:
-            data = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{KERNEL_DIR}/{name}"], check=True,
-                                  capture_output=True).stdout
-        with open(os.path.join(out, name), "wb") as fh:
-            fh.write(data)
+            with open(os.path.join(out, name), "wb") as fh:
+                fh.write(subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{KERNEL_DIR}/{name}"], check=True,
+                                        capture_output=True).stdout)
     return os.path.join(out, "quant_matmul.cc")
 
 
 def register(rev: str, tag: str, tmp: str) -> None:
+    """Build `rev`'s kernel and register its Q4_1 and Q8_0 handlers as chain_{tag}_{kind}."""
     source = kernel_sources(rev, os.path.join(tmp, tag))
     lib = ctypes.CDLL(build(source, jax.ffi.include_dir(), os.path.join(tmp, tag, "build"), "g++", tag))
     for kind in ("Q4_1", "Q8_0"):
-        jax.ffi.register_ffi_target(f"chain_{tag}_{kind}", jax.ffi.pycapsule(getattr(lib, f"Specjax{kind}")),
+        jax.ffi.register_ffi_target(f"chain_{tag}_{kind}", jax.ffi.pycapsule(getattr(lib, QUANT_HANDLERS[kind])),
                                     platform="cpu")
 
 
