@@ -95,3 +95,26 @@ def test_a_background_build_never_reads_the_live_caches(parts):
         x.delete()  # the state between a donating step's launch and its results
     engine.programs.build_now(StepShape("decode", 1, engine.k_options[0], 4, GREEDY))
     engine.programs.build_now(StepShape("prefill", 1, 16, 4, GREEDY))
+
+
+def test_prefill_chunks_padded_into_a_larger_program_ask_for_their_own_shape(parts):
+    """Compiling on demand, a prefill chunk that runs padded in a larger ready program (four prompts x 32 tokens,
+    built by the first step) asks for its own (batch, tokens) bucket, which is then built on the background thread
+    and used.  Before, the padded program itself was taken as the need: every later chunk of one short prompt ran
+    as four prompts x 32 tokens (regeneration spent ~half its time there) and never asked for anything."""
+    from specjax.engine.programs import StepShape
+
+    target, dcfg, dw = parts
+    engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 4), dw,
+                       EngineConfig(page_size=4, max_model_len=128, max_num_seqs=4, prefill_chunk=32))
+    engine.programs.on_demand, engine.programs.demand_after = True, 2
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    big = StepShape("prefill", 4, 32, 32, GREEDY)
+    engine.programs.build_now(big)
+    short = StepShape("prefill", 1, 16, 32, GREEDY)  # a 10-token prompt at the full width of max_model_len
+    for i in range(3):
+        engine.generate([list(range(3 + i, 13 + i))], params)
+        assert engine.programs.wait_idle(300)
+    assert short in engine.programs.ready and engine.programs.runs[short] >= 1
+    assert engine.programs.foreground_builds == 0
+    engine.programs.close()

@@ -62,8 +62,11 @@ def cmd_regenerate(args) -> int:
         bar.update(done - bar.n)
         bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.0f}", tokens=tokens)
 
-    stats = regenerate(llm, todo, store, args.max_new_tokens, args.temperature, args.seed, args.max_prompt_tokens,
-                       progress)
+    try:
+        stats = regenerate(llm, todo, store, args.max_new_tokens, args.temperature, args.seed,
+                           args.max_prompt_tokens, progress)
+    finally:
+        llm.engine.programs.close()  # a shape still compiling in the background would abort the exit
     bar.close()
     print(json.dumps(stats))
     return 0

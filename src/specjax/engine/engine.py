@@ -441,9 +441,12 @@ class LLMEngine:
         b = pick_bucket(len(seqs), self.prefill_batch_buckets)
         t = pick_bucket(max(len(c) for c in chunks), self.prefill_buckets)
         mode = sampler_mode([s.params for s in seqs])
+        full = StepShape("prefill", b, t, self._pages_bucket(self.config.max_model_len), mode)
         narrow = self.programs.find(StepShape("prefill", b, t, self._pages_bucket(
             max(s.num_cached + len(c) for s, c in zip(seqs, chunks))), mode))
-        need = narrow or StepShape("prefill", b, t, self._pages_bucket(self.config.max_model_len), mode)
+        if narrow is not None and (narrow.batch, narrow.n) != (b, t):  # it runs padded: ask for this step's own
+            self.programs.request([full])  # bucket (on demand), or every later chunk pads to the first program
+        need = narrow or full
         shape, program = self.programs.get(need)
         b, t = shape.batch, shape.n
         tokens = np.zeros((b, t), np.int32)
