@@ -69,6 +69,7 @@ def test_bench_serve_cli_on_a_tiny_model(tiny_dirs, tmp_path):
     cmd = [sys.executable, "-m", "specjax.cli", "bench-serve", "--model", tiny_dirs["qwen3"], "--drafter", "random:1",
            "--block-size", "4", "--methods", "ar,dflash", "--concurrency", "1,4", "--requests-per-level", "4",
            "--max-tokens", "8", "--num-prompts", "2", "--max-model-len", "1024", "--page-size", "128",
+           "--max-num-seqs", "4",
            "--rounds", "2", "--out-dir", str(out), "--compile-cache", ""]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]

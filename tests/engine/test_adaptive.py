@@ -113,7 +113,8 @@ def test_adaptive_engine_is_lossless_and_uses_several_k(tiny_dirs):
     engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 8), dw,
                        EngineConfig(max_model_len=64, page_size=8, max_num_seqs=4, adaptive_k=True,
                                     page_bucket_factor=4))
-    engine.warmup_all(modes=(GREEDY,))
+    # every K at the batch of 4 and the page widths these requests reach (smaller batches run padded in them)
+    engine.warmup([len(p) for p in prompts], max(len(p) for p in prompts) + 30, batch_sizes=(4,), modes=(GREEDY,))
     c = engine.controller
     c.explore_budget, c.idle_budget, c.min_explore_every = 100.0, 100.0, 3
     assert [s.output_ids for s in engine.generate(prompts, params)] == expected
