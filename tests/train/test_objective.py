@@ -287,6 +287,39 @@ def test_grown_drafter_drafts_as_the_old_one_and_its_new_layer_trains(setup, tmp
         DFlashMethod(dataclasses.replace(cfg, num_layers=1), Q, 6, 4.0).load(str(tmp_path / "two"), target.config)
 
 
+def test_grown_lr_scale_multiplies_only_the_appended_layers_updates(setup, tmp_path):
+    """--grown-lr-scale: one optimizer step of a grown drafter moves the appended layer's weights by exactly the
+    scale times what the same step moves them without it, and every other leaf by the same amount as without it."""
+    from specjax.drafter.loader import save_drafter
+    from specjax.train.trainer import DFlashMethod, TrainConfig, make_optimizer
+
+    target, cfg, weights, tokens, taps, loss_mask, lengths = setup
+    save_drafter(str(tmp_path / "two"), cfg, weights)
+    grown_cfg = dataclasses.replace(cfg, num_layers=3)
+    grown = DFlashMethod(grown_cfg, Q, 6, 4.0).load(str(tmp_path / "two"), target.config)
+    w = target.weights
+    anchors, keep = sample_anchors(np.random.default_rng(5), loss_mask, lengths, 6, Q)
+    grads = jax.grad(lambda p: dflash_loss(p, grown_cfg, w.embed, w.output_head, jnp.asarray(tokens),
+                                           jnp.asarray(taps), jnp.asarray(loss_mask), jnp.asarray(lengths),
+                                           jnp.asarray(anchors), jnp.asarray(keep), block_size=Q, gamma=4.0)[0])(grown)
+
+    def second_update(scale):  # the first is at lr 0 (the warm-up starts there)
+        tcfg = TrainConfig(optimizer="muon", lr=1e-3, warmup_ratio=0.0, steps=10, grown_layers=1,
+                           grown_lr_scale=scale)
+        opt = make_optimizer(tcfg)[0]
+        state = opt.update(grads, opt.init(grown), grown)[1]
+        return opt.update(grads, state, grown)[0]
+
+    plain, scaled = (jax.tree_util.tree_leaves_with_path(second_update(s)) for s in (1.0, 5.0))
+    assert [p for p, _ in plain] == [p for p, _ in scaled]
+    for (path, a), (_, b) in zip(plain, scaled):
+        appended = getattr(path[0], "name", None) == "layers" and path[1].idx == 2
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a) * (5.0 if appended else 1.0), rtol=1e-6, atol=1e-12)
+    moved = {str(path[-1]) for path, a in plain if path[1:2] and getattr(path[1], "idx", None) == 2 and
+             np.abs(np.asarray(a)).max() > 0}
+    assert {".w_o", ".w_down"} <= moved  # the zero output projections get gradient (the rest waits for them)
+
+
 def test_distillation_teacher_is_the_targets_own_next_token_distribution(setup):
     """--distill: the teacher logits of slot k at anchor a are the target's own logits for x[a + k] (a full target
     forward, draft-vocabulary columns); with distill = 1 the loss is the weighted KL computed by hand, it is 0

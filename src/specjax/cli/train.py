@@ -161,6 +161,8 @@ def cmd_train_drafter(args) -> int:
         raise SystemExit(f"error: --grow-layers must be >= 0, got {args.grow_layers}")
     if args.grow_layers and not (args.method == "dflash" and args.init):
         raise SystemExit("error: --grow-layers appends layers to a DFlash --init drafter; name one with --init")
+    if args.grown_lr_scale <= 0 or (args.grown_lr_scale != 1.0 and not args.grow_layers):
+        raise SystemExit(f"error: --grown-lr-scale {args.grown_lr_scale} needs --grow-layers and a positive value")
     enable_compile_cache(args.compile_cache)
     target = load_model(args.target, DTYPES["float32"])
     store = TokenStore(args.data)
@@ -174,7 +176,8 @@ def cmd_train_drafter(args) -> int:
                       weight_decay=args.weight_decay, gamma=args.gamma, dpace_alpha=args.dpace_alpha, seed=args.seed,
                       distill=args.distill, save_every=args.save_every,
                       eval_every=args.eval_every, schedule=args.schedule, optimizer=args.optimizer,
-                      max_hours=args.max_hours, sim_every=args.sim_every, log_every=args.log_every)
+                      max_hours=args.max_hours, sim_every=args.sim_every, log_every=args.log_every,
+                      grown_layers=args.grow_layers, grown_lr_scale=args.grown_lr_scale)
     vocab = target.config.vocab_size
     draft_ids, coverage = None, 1.0
     if 0 < args.draft_vocab_size < vocab:
@@ -357,6 +360,8 @@ def register(sub) -> None:
     t.add_argument("--grow-layers", type=int, default=0,
                    help="DFlash with --init: append this many layers, each starting as an identity (zero output "
                         "projections), so training starts from the init drafter's exact drafts with more capacity")
+    t.add_argument("--grown-lr-scale", type=float, default=1.0,
+                   help="with --grow-layers: the appended layers train at this multiple of --lr (the others at --lr)")
     t.add_argument("--init-target-layers", default=None,
                    help="DFlash: start the drafter as a copy of these target layers (one per drafter layer, e.g. "
                         "28,29; the first must be tapped: its input is a hidden-state index of the taps)")

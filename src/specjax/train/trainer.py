@@ -53,6 +53,8 @@ class TrainConfig:
     optimizer: str = "adamw"  # "adamw" or "muon" (Newton-Schulz on matrices, AdamW on vectors)
     max_hours: float | None = None  # stop (and save) after this much wall time: equal-time A/Bs, long runs
     sim_every: int = 100  # simulated tau on the held-out store every this many steps (0 = never)
+    grown_layers: int = 0  # DFlash: the last this many layers were appended to the init drafter (--grow-layers) ...
+    grown_lr_scale: float = 1.0  # ... and train at this multiple of the learning rate (they start from zero output)
 
     @property
     def decay(self) -> float:
@@ -207,6 +209,20 @@ def muon_matrices(params):
     return jax.tree_util.tree_map_with_path(dims, params)
 
 
+def scale_last_layers(count: int, scale: float) -> optax.GradientTransformation:
+    """Multiply the updates of the last `count` entries of the params' `layers` by `scale` (the rest unchanged): a
+    grown layer's zero output projections can only move by about lr per step under Muon's normalized updates, so
+    at a fine-tuning lr it would stay near the identity for the whole run."""
+    def update(updates, state, params=None):
+        first = len(updates.layers) - count
+
+        def scaled(path, u):
+            in_layers = len(path) > 1 and getattr(path[0], "name", None) == "layers"
+            return u * scale if in_layers and path[1].idx >= first else u
+        return jax.tree_util.tree_map_with_path(scaled, updates), state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(cfg: TrainConfig):
     warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
     if cfg.schedule == "cosine":
@@ -225,7 +241,10 @@ def make_optimizer(cfg: TrainConfig):
                                  muon_weight_dimension_numbers=muon_matrices)
     else:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r} (adamw, muon)")
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt), schedule
+    chain = [optax.clip_by_global_norm(cfg.grad_clip), opt]
+    if cfg.grown_layers and cfg.grown_lr_scale != 1.0:
+        chain.append(scale_last_layers(cfg.grown_layers, cfg.grown_lr_scale))
+    return optax.chain(*chain), schedule
 
 
 @dataclass(frozen=True)
