@@ -152,15 +152,25 @@ def soak(url: str, chat: dict, pid: int, seconds: float, clients: int) -> dict:
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
         t.start()
-    t0, samples = time.perf_counter(), []
+    def programs() -> dict | None:  # /health's step_programs (ready, compiling, evicted)
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                return json.loads(r.read()).get("step_programs")
+        except OSError:
+            return None
+
+    t0, samples, program_samples = time.perf_counter(), [], []
     while time.perf_counter() < stop:
         samples.append((round(time.perf_counter() - t0, 1), rss_bytes(pid)))
+        program_samples.append((samples[-1][0], programs()))
         time.sleep(10)
     for t in threads:
         t.join()
     samples.append((round(time.perf_counter() - t0, 1), rss_bytes(pid)))
+    program_samples.append((samples[-1][0], programs()))
     after_first_minute = [r for t, r in samples if t >= 60]
     return {"seconds": seconds, "clients": clients, "requests": counts, "rss_samples": samples,
+            "step_program_samples": program_samples,
             "rss_growth_after_first_minute_bytes": (max(after_first_minute) - after_first_minute[0])
             if after_first_minute else None}
 

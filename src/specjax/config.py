@@ -401,6 +401,9 @@ class EngineConfig:
     """Most sequences prefilled (one chunk each) in one step, alongside the decode step of the others."""
     page_bucket_factor: int = 2
     """Growth factor of the KV-page buckets decode steps gather (4 = fewer shapes to compile, more padding)."""
+    max_step_programs: int = 0
+    """With background compilation (a server, `generate`): most compiled step shapes kept, the least recently used
+    beyond it freed (each holds ~35-75 MB of host memory on a 30-layer CPU target); 0 = keep every one compiled."""
 
     def __post_init__(self):
         for name in ("page_size", "max_model_len", "max_num_seqs", "prefill_chunk", "min_prefill_bucket"):
@@ -415,6 +418,8 @@ class EngineConfig:
             raise ConfigError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if self.page_bucket_factor < 2:
             raise ConfigError(f"page_bucket_factor must be >= 2, got {self.page_bucket_factor}")
+        if self.max_step_programs < 0:
+            raise ConfigError(f"max_step_programs must be >= 0 (0 = no cap), got {self.max_step_programs}")
         if self.max_prefill_seqs < 1:
             raise ConfigError(f"max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
         if self.k_options is not None and (not self.k_options or min(self.k_options) < 0):

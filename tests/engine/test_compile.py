@@ -1,6 +1,9 @@
 """Compile once per shape bucket: after warm-up (ahead, or in the background), generation compiles nothing."""
 
+import gc
+
 import jax
+import jax.extend
 import pytest
 
 from specjax.config import EngineConfig
@@ -118,3 +121,32 @@ def test_prefill_chunks_padded_into_a_larger_program_ask_for_their_own_shape(par
     assert short in engine.programs.ready and engine.programs.runs[short] >= 1
     assert engine.programs.foreground_builds == 0
     engine.programs.close()
+
+
+def test_a_capped_program_cache_frees_programs_and_changes_no_output(parts):
+    """With max_step_programs, background compilation keeps at most that many programs (freeing the least recently
+    used, in jax's caches too) and the engine still never compiles on its own thread; the tokens are those of an
+    engine that keeps every program."""
+    target, dcfg, dw = parts
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 12, 70)]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+
+    def run(cap):
+        engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 4), dw,
+                           EngineConfig(page_size=4, max_model_len=128, max_num_seqs=2, prefill_chunk=32,
+                                        max_step_programs=cap))
+        engine.warmup(8, 40, modes=(GREEDY,), background=True)
+        engine.programs.demand_after = 1
+        outs = [s.output_ids for p in prompts for s in engine.generate([p], params)]
+        outs += [s.output_ids for s in engine.generate(prompts[:2], params)]
+        assert engine.programs.wait_idle(300) and engine.programs.foreground_builds == 0
+        engine.programs.close()
+        gc.collect()
+        return outs, engine.programs, len(jax.extend.backend.get_backend().live_executables())
+
+    capped, programs, live = run(2)  # first: its evictions clear jax's caches of earlier tests' programs too
+    reference, everything, live_everything = run(0)
+    assert capped == reference
+    assert len(everything.ready) > 3 and everything.evictions == 0
+    assert len(programs.ready) <= 2 and programs.evictions >= len(everything.ready) - 2
+    assert live <= 2 * 2 + 4 < 2 * len(everything.ready) <= live_everything  # (step, commit) per program

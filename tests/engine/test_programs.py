@@ -1,4 +1,5 @@
-"""Step programs: background queue order, waiting for a queued shape, fallback to larger ready shapes, errors."""
+"""Step programs: background queue order, waiting for a queued shape, fallback to larger ready shapes, errors,
+the least-recently-used cap."""
 
 import threading
 import time
@@ -95,3 +96,31 @@ def test_on_demand_a_padded_step_queues_its_shape_and_an_unfit_step_waits_for_th
     progs.close()
     progs.request([shape(n=7)])  # ignored once closed
     assert progs.pending() == 0
+
+
+def test_on_demand_the_cap_frees_the_least_recently_used_program_and_counts_rebuilds():
+    build, released = SlowBuild(0.01), []
+    progs = StepPrograms(build, release=lambda: released.append(len(progs.ready)), max_ready=2)
+    progs.on_demand = True
+    a, b, c = shape(n=1), shape(n=2), shape(n=3)
+    progs.build_now(a)
+    held = progs.get(a)[1]  # a step that is running a's program
+    assert progs.get(b)[0] == b  # built in the background (nothing fits K = 2): two ready, at the cap
+    assert progs.evictions == 0 and released == []
+    progs.get(a)  # a is used again: b is now the least recently used
+    assert progs.get(c)[0] == c and progs.wait_idle(5)
+    assert set(progs.ready) == {a, c} and progs.evictions == 1 and released == [2]
+    assert b not in progs.runs and held() == a  # the running step's program is still whole
+    assert progs.rebuilds == 0
+    assert progs.get(b)[0] == b and progs.wait_idle(5)  # needed again: rebuilt, counted, a (LRU) goes
+    assert set(progs.ready) == {b, c} and progs.rebuilds == 1 and progs.evictions == 2
+    assert progs.foreground_builds == 0
+    progs.close()
+
+
+def test_the_cap_applies_only_to_on_demand_compilation():
+    """Ahead-of-time warm-up (every shape before serving) keeps all it builds, whatever the cap."""
+    progs = StepPrograms(SlowBuild(0), max_ready=1)
+    progs.prefetch([shape(n=k) for k in range(4)])
+    assert progs.wait_idle(5) and len(progs.ready) == 4 and progs.evictions == 0
+    progs.close()

@@ -106,8 +106,9 @@ def test_background_warmup_serves_at_once_and_never_compiles_on_the_engine_threa
             return await asyncio.gather(*[stream_tokens(client, url, tokens_of(url, p)) for p in prompts])
 
     with live_server(llm) as (url, service):
-        assert httpx.get(url + "/health").json() == {"status": "ok", "step_programs": {"ready": 1, "compiling": 0},
-                                                     "running": 0, "waiting": 0, "kv_pages_used": 0}
+        assert httpx.get(url + "/health").json() == {
+            "status": "ok", "step_programs": {"ready": 1, "compiling": 0, "evicted": 0}, "running": 0, "waiting": 0,
+            "kv_pages_used": 0}
         early = asyncio.run(main(url))
         assert service.engine.programs.wait_idle(600)
         assert httpx.get(url + "/health").json()["step_programs"]["ready"] > 1  # compiled on demand

@@ -33,7 +33,7 @@ def build_server(args):
                        num_pages=args.num_pages, kv_cache_memory=args.kv_cache_memory,
                        num_draft_tokens=args.num_draft_tokens,
                        adaptive_k=args.adaptive_k and args.method != "ar", prefill_chunk=args.prefill_chunk,
-                       page_bucket_factor=args.page_bucket_factor)
+                       page_bucket_factor=args.page_bucket_factor, max_step_programs=args.max_step_programs)
     import jax
 
     from specjax.config import ConfigError
@@ -272,6 +272,10 @@ def add_server_args(p: argparse.ArgumentParser, warmup: str) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--page-bucket-factor", type=int, default=4,
                    help="KV-page bucket growth: fewer shapes to compile at start-up vs. padded gathers")
+    p.add_argument("--max-step-programs", type=int, default=0,
+                   help="with --warmup background: most compiled step shapes kept; the least recently used beyond "
+                        "it are freed (each holds ~35-75 MB on the default CPU target) and compiled again if a "
+                        "step needs them (0 = keep all)")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
                    help="choose the number of drafts per step with a measured cost model (default on)")
     p.add_argument("--warmup", default=warmup, choices=["background", "all", "none"],

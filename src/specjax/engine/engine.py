@@ -142,7 +142,7 @@ class LLMEngine:
         self.last_k: int | None = None
         self.num_preemptions = 0
         self.record_drafts = record_drafts
-        self.programs = StepPrograms(self._build_program)
+        self.programs = StepPrograms(self._build_program, release=jax.clear_caches, max_ready=config.max_step_programs)
         self._cost_shape: dict[tuple[int, int, int], StepShape] = {}  # controller cost key -> shape last timed
         self.min_decode_pages = 1  # decode page tables are at least this wide (set by a background warm-up)
 

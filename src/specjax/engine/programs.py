@@ -11,7 +11,9 @@ also queue their exact shape once `demand_after` of them asked for it (a short a
 it decodes: tracing holds the GIL and compiling takes a core), so only the shapes a workload uses get compiled:
 each XLA:CPU executable of a
 30-layer target holds ~35-75 MB of host memory (measured on SmolLM2-135M), which is what made a server with
-every shape compiled hold 9.4 GB.
+every shape compiled hold 9.4 GB.  With `on_demand`, `max_ready` caps the programs kept: after each background
+build the least recently used ones beyond it are dropped (and `release` drops the framework's own references to
+them), so a server's memory for programs is bounded by the cap, not by the shapes its load ever reached.
 """
 
 from __future__ import annotations
@@ -43,8 +45,16 @@ class StepShape(NamedTuple):
 class StepPrograms:
     """`build(shape) -> callable` compiles one shape; `prefetch` queues shapes for the background thread."""
 
-    def __init__(self, build: Callable[[StepShape], Callable]):
+    def __init__(self, build: Callable[[StepShape], Callable], release: Callable[[], None] | None = None,
+                 max_ready: int = 0):
         self._build = build
+        self._release = release  # after an eviction: drop the caches that still hold evicted programs
+        self.max_ready = max_ready  # with on_demand: most programs kept ready (least recently used go; 0 = all)
+        self.evictions = 0
+        self.rebuilds = 0  # builds of shapes evicted before (a cap below the load's working set recompiles)
+        self._evicted: set[StepShape] = set()
+        self._used: dict[StepShape, int] = {}  # shape -> tick of its last build or lookup (eviction order)
+        self._tick = 0
         self.ready: dict[StepShape, Callable] = {}
         self.runs: collections.Counter = collections.Counter()  # lookups that returned each shape
         self.foreground_builds = 0
@@ -66,9 +76,36 @@ class StepPrograms:
                 return self.ready[shape]
         fn = self._build(shape)
         with self._cv:
+            if shape not in self.ready and shape in self._evicted:
+                self.rebuilds += 1
+                log.warning("step shape %s compiled again after its eviction: the load uses more than "
+                            "max_step_programs=%d shapes (raise it to stop recompiling)", shape, self.max_ready)
             self.ready.setdefault(shape, fn)
+            self._touch(shape)
             self._cv.notify_all()
             return self.ready[shape]
+
+    def _touch(self, shape: StepShape) -> None:  # with self._cv held
+        self._tick += 1
+        self._used[shape] = self._tick
+
+    def _evict(self, keep: StepShape) -> None:
+        """Drop the least recently used programs beyond `max_ready` (on_demand only; never `keep`)."""
+        with self._cv:
+            over = len(self.ready) - self.max_ready
+            if not (self.on_demand and self.max_ready and over > 0):
+                return
+            victims = sorted((s for s in self.ready if s != keep), key=lambda s: self._used.get(s, 0))[:over]
+            for s in victims:  # a step running one keeps its reference until it returns
+                del self.ready[s]
+                self.runs.pop(s, None)
+                self._demand.pop(s, None)
+                self._used.pop(s, None)
+            self._evicted.update(victims)
+            self.evictions += len(victims)
+        log.info("evicted %d step program(s) (cap %d): %s", len(victims), self.max_ready, victims)
+        if self._release is not None:
+            self._release()
 
     def prefetch(self, shapes) -> int:
         """Queue shapes (in order, skipping ready or queued ones) for the background thread; returns how many."""
@@ -132,6 +169,7 @@ class StepPrograms:
                 shape = self._building = self._queue.popleft()
             try:
                 self.build_now(shape)
+                self._evict(keep=shape)
             except BaseException as e:  # surfaced to whoever needs this shape
                 log.exception("compiling %s failed", shape)
                 with self._cv:
@@ -153,6 +191,15 @@ class StepPrograms:
     def get(self, need: StepShape) -> tuple[StepShape, Callable]:
         """(shape, program) to run a step that needs `need`: a ready fit, else the exact shape once built (on the
         background thread, waited for, when it is queued or `on_demand`; else here)."""
+        while True:
+            found = self._fit_or_build(need)
+            with self._cv:
+                if found in self.ready:  # else evicted since it was found (a cap below the working set): again
+                    self.runs[found] += 1
+                    self._touch(found)
+                    return found, self.ready[found]
+
+    def _fit_or_build(self, need: StepShape) -> StepShape:
         found = self.find(need)
         if found is None:
             with self._cv:
@@ -176,6 +223,4 @@ class StepPrograms:
                 found = need
         elif found != need:
             self.request([need])
-        with self._cv:
-            self.runs[found] += 1
-            return found, self.ready[found]
+        return found

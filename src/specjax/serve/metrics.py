@@ -47,6 +47,10 @@ class Metrics:
                             ["part", "device"], registry=r)
         self.programs = Gauge("specjax_step_programs", "Compiled step shapes: ready, or pending on the background "
                               "compile thread", ["state"], registry=r)
+        self.program_evictions = Gauge("specjax_step_program_evictions", "Compiled step shapes freed by the "
+                                       "--max-step-programs cap (least recently used first)", registry=r)
+        self.program_rebuilds = Gauge("specjax_step_program_rebuilds", "Step shapes compiled again after their "
+                                      "eviction (rising: the cap is below the load's working set)", registry=r)
         self.foreground_compiles = Gauge("specjax_engine_thread_compiles", "Step shapes compiled on the engine thread "
                                          "(0 unless warm-up was off: a request waited on its compilation)", registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
@@ -65,6 +69,8 @@ class Metrics:
         self.programs.labels(state="ready").set(len(programs.ready))
         self.programs.labels(state="pending").set(programs.pending())
         self.foreground_compiles.set(programs.foreground_builds)
+        self.program_evictions.set(programs.evictions)
+        self.program_rebuilds.set(programs.rebuilds)
 
     def record_decode(self, records: list[tuple[int, int, int]], k: int | None) -> None:
         """records: (seq_id, drafts, accepted) per sequence of one decode step."""

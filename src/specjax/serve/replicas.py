@@ -72,7 +72,7 @@ class DataParallelService:
     def health(self) -> dict:
         replicas = [s.health() for s in self.services]
         total = {key: sum(r[key] for r in replicas) for key in ("running", "waiting", "kv_pages_used")}
-        programs = {key: sum(r["step_programs"][key] for r in replicas) for key in ("ready", "compiling")}
+        programs = {key: sum(r["step_programs"][key] for r in replicas) for key in ("ready", "compiling", "evicted")}
         return {"step_programs": programs, **total, "replicas": replicas}
 
     def count_rejected(self) -> None:

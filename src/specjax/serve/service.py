@@ -112,7 +112,8 @@ class EngineService:
     def health(self) -> dict:
         """/health body: compiled programs and the engine's load (read without locking: a snapshot)."""
         engine = self.engine
-        return {"step_programs": {"ready": len(engine.programs.ready), "compiling": engine.programs.pending()},
+        return {"step_programs": {"ready": len(engine.programs.ready), "compiling": engine.programs.pending(),
+                                  "evicted": engine.programs.evictions},
                 "running": len(engine.running), "waiting": len(engine.waiting),
                 "kv_pages_used": engine.allocator.num_used}
 
