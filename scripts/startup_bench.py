@@ -149,9 +149,6 @@ def soak(url: str, chat: dict, pid: int, seconds: float, clients: int) -> dict:
             with lock:
                 counts[key] += 1
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
-    for t in threads:
-        t.start()
     def programs() -> dict | None:  # /health's step_programs (ready, compiling, evicted)
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
@@ -159,6 +156,9 @@ def soak(url: str, chat: dict, pid: int, seconds: float, clients: int) -> dict:
         except OSError:
             return None
 
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
     t0, samples, program_samples = time.perf_counter(), [], []
     while time.perf_counter() < stop:
         samples.append((round(time.perf_counter() - t0, 1), rss_bytes(pid)))

@@ -402,8 +402,9 @@ class EngineConfig:
     page_bucket_factor: int = 2
     """Growth factor of the KV-page buckets decode steps gather (4 = fewer shapes to compile, more padding)."""
     max_step_programs: int = 0
-    """With background compilation (a server, `generate`): most compiled step shapes kept, the least recently used
-    beyond it freed (each holds ~35-75 MB of host memory on a 30-layer CPU target); 0 = keep every one compiled."""
+    """With background compilation (`warmup(..., background=True)`, as `serve` does): most compiled step shapes
+    kept, the least recently used beyond it freed (each holds ~35-75 MB of host memory on a 30-layer CPU target);
+    0 = keep every one compiled."""
 
     def __post_init__(self):
         for name in ("page_size", "max_model_len", "max_num_seqs", "prefill_chunk", "min_prefill_bucket"):

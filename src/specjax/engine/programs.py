@@ -53,9 +53,7 @@ class StepPrograms:
         self.evictions = 0
         self.rebuilds = 0  # builds of shapes evicted before (a cap below the load's working set recompiles)
         self._evicted: set[StepShape] = set()
-        self._used: dict[StepShape, int] = {}  # shape -> tick of its last build or lookup (eviction order)
-        self._tick = 0
-        self.ready: dict[StepShape, Callable] = {}
+        self.ready: collections.OrderedDict[StepShape, Callable] = collections.OrderedDict()  # least recent first
         self.runs: collections.Counter = collections.Counter()  # lookups that returned each shape
         self.foreground_builds = 0
         self.on_demand = False  # queue the exact shape of steps that had to run padded
@@ -81,13 +79,9 @@ class StepPrograms:
                 log.warning("step shape %s compiled again after its eviction: the load uses more than "
                             "max_step_programs=%d shapes (raise it to stop recompiling)", shape, self.max_ready)
             self.ready.setdefault(shape, fn)
-            self._touch(shape)
+            self.ready.move_to_end(shape)
             self._cv.notify_all()
             return self.ready[shape]
-
-    def _touch(self, shape: StepShape) -> None:  # with self._cv held
-        self._tick += 1
-        self._used[shape] = self._tick
 
     def _evict(self, keep: StepShape) -> None:
         """Drop the least recently used programs beyond `max_ready` (on_demand only; never `keep`)."""
@@ -95,12 +89,11 @@ class StepPrograms:
             over = len(self.ready) - self.max_ready
             if not (self.on_demand and self.max_ready and over > 0):
                 return
-            victims = sorted((s for s in self.ready if s != keep), key=lambda s: self._used.get(s, 0))[:over]
+            victims = [s for s in self.ready if s != keep][:over]
             for s in victims:  # a step running one keeps its reference until it returns
                 del self.ready[s]
                 self.runs.pop(s, None)
                 self._demand.pop(s, None)
-                self._used.pop(s, None)
             self._evicted.update(victims)
             self.evictions += len(victims)
         log.info("evicted %d step program(s) (cap %d): %s", len(victims), self.max_ready, victims)
@@ -196,7 +189,7 @@ class StepPrograms:
             with self._cv:
                 if found in self.ready:  # else evicted since it was found (a cap below the working set): again
                     self.runs[found] += 1
-                    self._touch(found)
+                    self.ready.move_to_end(found)
                     return found, self.ready[found]
 
     def _fit_or_build(self, need: StepShape) -> StepShape:
