@@ -71,7 +71,8 @@ def main() -> None:
         taps.block_until_ready()
         t0 = time.perf_counter()
         params, opt_state, loss, aux, _ = train_step(params, opt_state, consts, jnp.asarray(tokens), taps,
-                                                     jnp.asarray(mask), jnp.asarray(lengths), extra, method=method,
+                                                     jnp.asarray(mask), jnp.asarray(lengths), extra, jnp.float32(1.0),
+                                                     method=method,
                                                      optimizer=optimizer)
         loss.block_until_ready()
         if step >= 2:

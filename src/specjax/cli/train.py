@@ -161,6 +161,10 @@ def cmd_train_drafter(args) -> int:
         raise SystemExit(f"error: --grow-layers must be >= 0, got {args.grow_layers}")
     if args.grow_layers and not (args.method == "dflash" and args.init):
         raise SystemExit("error: --grow-layers appends layers to a DFlash --init drafter; name one with --init")
+    if args.schedule == "cosine-time" and not args.max_hours:
+        raise SystemExit("error: --schedule cosine-time runs over the wall time of --max-hours: give it")
+    if args.pad_multiple < 1:
+        raise SystemExit(f"error: --pad-multiple must be >= 1, got {args.pad_multiple}")
     if args.grown_lr_scale <= 0 or (args.grown_lr_scale != 1.0 and not args.grow_layers):
         raise SystemExit(f"error: --grown-lr-scale {args.grown_lr_scale} needs --grow-layers and a positive value")
     enable_compile_cache(args.compile_cache)
@@ -177,7 +181,8 @@ def cmd_train_drafter(args) -> int:
                       distill=args.distill, save_every=args.save_every,
                       eval_every=args.eval_every, schedule=args.schedule, optimizer=args.optimizer,
                       max_hours=args.max_hours, sim_every=args.sim_every, log_every=args.log_every,
-                      grown_layers=args.grow_layers, grown_lr_scale=args.grown_lr_scale)
+                      grown_layers=args.grow_layers, grown_lr_scale=args.grown_lr_scale,
+                      pad_multiple=args.pad_multiple)
     vocab = target.config.vocab_size
     draft_ids, coverage = None, 1.0
     if 0 < args.draft_vocab_size < vocab:
@@ -367,7 +372,12 @@ def register(sub) -> None:
                         "28,29; the first must be tapped: its input is a hidden-state index of the taps)")
     t.add_argument("--log", default=None, help="learning-curve log (JSON lines, cumulative hours; default "
                    "OUT/log.jsonl)")
-    t.add_argument("--schedule", default="cosine", choices=["cosine", "constant"])
+    t.add_argument("--schedule", default="cosine", choices=["cosine", "constant", "cosine-time"],
+                   help="cosine: to 0 at --steps; constant: warm-up, then flat; cosine-time: warm-up and cosine over "
+                        "the wall time of --max-hours (from the end of the first step), --steps only a cap")
+    t.add_argument("--pad-multiple", type=int, default=64,
+                   help="pad each batch to a multiple of this many tokens (--max-len: one compiled step shape, for "
+                        "accelerators where every shape compiles slowly)")
     t.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     t.add_argument("--max-hours", type=float, default=None, help="stop after this much wall time (saves first)")
     t.add_argument("--heldout", default=None, help="token store of target answers to held-out prompts: simulated "

@@ -49,12 +49,23 @@ class TrainConfig:
     save_every: int = 200
     eval_every: int = 500
     log_every: int = 10
-    schedule: str = "cosine"  # "cosine" (to 0 at `steps`) or "constant" (warm-up, then flat: for open-ended runs)
+    schedule: str = "cosine"  # "cosine" (to 0 at `steps`), "constant" (warm-up, then flat: for open-ended runs) or
+    # "cosine-time" (warm-up and cosine over the wall time of --max-hours, measured from the end of the first step:
+    # equal-time A/Bs and machines of unknown speed finish their schedule whatever a step costs; `steps` caps it)
     optimizer: str = "adamw"  # "adamw" or "muon" (Newton-Schulz on matrices, AdamW on vectors)
     max_hours: float | None = None  # stop (and save) after this much wall time: equal-time A/Bs, long runs
     sim_every: int = 100  # simulated tau on the held-out store every this many steps (0 = never)
     grown_layers: int = 0  # DFlash: the last this many layers were appended to the init drafter (--grow-layers) ...
     grown_lr_scale: float = 1.0  # ... and train at this multiple of the learning rate (they start from zero output)
+    pad_multiple: int = 64  # batch lengths padded to a multiple of this (max_len: one compiled step shape)
+
+    def __post_init__(self):
+        if self.schedule not in ("cosine", "constant", "cosine-time"):
+            raise ValueError(f"unknown schedule {self.schedule!r} (cosine, constant, cosine-time)")
+        if self.schedule == "cosine-time" and not self.max_hours:
+            raise ValueError("schedule cosine-time runs over --max-hours: give it")
+        if self.pad_multiple < 1:
+            raise ValueError(f"pad_multiple must be >= 1, got {self.pad_multiple}")
 
     @property
     def decay(self) -> float:
@@ -64,7 +75,7 @@ class TrainConfig:
 
 
 class SequenceBatches:
-    """Epoch-shuffled batches of (tokens, loss_mask, lengths), padded to multiples of 64 tokens."""
+    """Epoch-shuffled batches of (tokens, loss_mask, lengths), padded to multiples of `cfg.pad_multiple` tokens."""
 
     def __init__(self, store: TokenStore, cfg: TrainConfig, holdout_ids: set[str] = frozenset()):
         self.cfg = cfg
@@ -92,7 +103,8 @@ class SequenceBatches:
         epoch, i = divmod(step, self.batches_per_epoch)
         order = np.random.default_rng((self.cfg.seed, epoch)).permutation(len(self.seqs))
         picked = [self.seqs[j] for j in order[i * self.cfg.batch_size:(i + 1) * self.cfg.batch_size]]
-        s = -(-max(len(t) for t, _, _ in picked) // 64) * 64
+        m = self.cfg.pad_multiple
+        s = max(-(-max(len(t) for t, _, _ in picked) // m) * m, 1)
         tokens = np.zeros((len(picked), s), np.int32)
         mask = np.zeros((len(picked), s), bool)
         lengths = np.zeros((len(picked),), np.int32)
@@ -223,15 +235,27 @@ def scale_last_layers(count: int, scale: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def time_scale(cfg: TrainConfig, fraction: float) -> float:
+    """Learning-rate multiplier of the cosine-time schedule at `fraction` of its wall time: linear warm-up over
+    `warmup_ratio`, then cosine to 0 (the same shape as the step schedule, in time)."""
+    f = min(max(fraction, 0.0), 1.0)
+    if f < cfg.warmup_ratio:
+        return f / cfg.warmup_ratio
+    rest = (f - cfg.warmup_ratio) / max(1e-9, 1.0 - cfg.warmup_ratio)
+    return 0.5 * (1.0 + float(np.cos(np.pi * rest)))
+
+
 def make_optimizer(cfg: TrainConfig):
+    """The optimizer chain and its step schedule (cosine-time: a constant lr, scaled per step by the caller's
+    `lr_scale` from `time_scale`: the updates of AdamW and Muon are linear in the learning rate)."""
     warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
     if cfg.schedule == "cosine":
         schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(2, cfg.steps), end_value=0.0)
     elif cfg.schedule == "constant":
         schedule = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)],
                                         [warmup])
-    else:
-        raise ValueError(f"unknown schedule {cfg.schedule!r} (cosine, constant)")
+    else:  # cosine-time (TrainConfig checked the name)
+        schedule = optax.constant_schedule(cfg.lr)
     if cfg.optimizer == "adamw":
         opt = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
     elif cfg.optimizer == "muon":
@@ -438,10 +462,11 @@ class Eagle3Method:
 
 
 @partial(jax.jit, static_argnames=("method", "optimizer"), donate_argnames=("params", "opt_state"))
-def train_step(params, opt_state, consts, tokens, taps, loss_mask, lengths, extra, *, method, optimizer):
+def train_step(params, opt_state, consts, tokens, taps, loss_mask, lengths, extra, lr_scale, *, method, optimizer):
     (loss, aux), grads = jax.value_and_grad(
         lambda p: method.loss(p, consts, tokens, taps, loss_mask, lengths, extra), has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
+    updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
     return optax.apply_updates(params, updates), opt_state, loss, aux, optax.tree.norm(grads)
 
 
@@ -605,22 +630,31 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     if heldout is not None and cfg.sim_every and step0 == 0:
         simulate(0)
     done = step0  # steps completed (a run with --steps at or below the checkpoint's only saves the drafter)
+    deadline = t_start + cfg.max_hours * 3600 if cfg.max_hours is not None else None
+    t_first = None  # end of this run's first step: the cosine-time schedule runs from there to the deadline
     for step in range(step0, cfg.steps):
         tokens, mask, lengths, epoch, idx = batches.batch(step)
         extra = method.host_inputs((cfg.seed, step), mask, lengths)
         taps = batch_features(target, tokens, idx, method.tap_indices, features)
         inputs = shard_batch((jnp.asarray(tokens), taps, jnp.asarray(mask), jnp.asarray(lengths), extra), mesh)
-        params, opt_state, loss, aux, gnorm = train_step(params, opt_state, consts, *inputs, method=method,
-                                                         optimizer=optimizer)
+        scale = 1.0
+        if cfg.schedule == "cosine-time":
+            now = time.perf_counter()
+            scale = time_scale(cfg, 0.0 if t_first is None else (now - t_first) / max(1e-9, deadline - t_first))
+        params, opt_state, loss, aux, gnorm = train_step(params, opt_state, consts, *inputs,
+                                                         jnp.float32(scale), method=method, optimizer=optimizer)
         tokens_seen += int(lengths.sum())
         done = step + 1
+        if t_first is None:
+            jax.block_until_ready(loss)
+            t_first = time.perf_counter()
         elapsed = time.perf_counter() - t_start
         out_of_time = cfg.max_hours is not None and elapsed >= cfg.max_hours * 3600
         last = step + 1 == cfg.steps or out_of_time
         if (step + 1) % cfg.log_every == 0 or last:
             loss_v, acc_v = float(loss), float(aux["acc"])
             row = {"step": step + 1, "epoch": epoch, "loss": loss_v, "acc": acc_v, "grad_norm": float(gnorm),
-                   "lr": float(schedule(step)), "acc_per_slot": [round(float(a), 4) for a in aux["acc_per_slot"]],
+                   "lr": float(schedule(step)) * scale, "acc_per_slot": [round(float(a), 4) for a in aux["acc_per_slot"]],
                    "tokens_per_s": tokens_seen / elapsed, "elapsed_s": elapsed, "hours": hours0 + elapsed / 3600}
             write(row)
             bar.set_postfix(loss=f"{loss_v:.3f}", acc=f"{acc_v:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
