@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # DFlash drafter training arms side by side on one accelerator whose image has jax but not specjax (repo root):
-#   [BATCH=64] [SIM_EVERY=100] scripts/device_train.sh OUT_DIR TARGET_GGUF MINUTES ARM [ARM...]
+#   [BATCH=64] [SIM_EVERY=100] [INIT=DRAFTER] [SEED=21] scripts/device_train.sh OUT_DIR TARGET_GGUF MINUTES ARM [ARM...]
 # Arms (each one process, the same data, draft vocabulary, batches and wall time; MINUTES of training each):
 #   scratch2  2 layers from a random init, Muon lr 1e-3     scratch3  the same with 3 layers
-#   init      the shipped drafter continued, Muon lr 2e-4
+#   init      the shipped drafter (or $INIT) continued, Muon lr 2e-4
 # All arms: the whole regenerated store, block 4 x 256 anchors (every response position), batches padded to 512
 # (one compiled shape), cosine over the wall time (--schedule cosine-time), simulated tau on the held-out store.
 # OUT_DIR gets run.log and, per arm, ARM.tgz (drafter/, log.jsonl, train_config.json) split into <= 15 MiB parts
@@ -20,11 +20,11 @@ common=(--target "$gguf" --data data/regen-smollm2 --heldout data/heldout-smollm
         --batch-size "${BATCH:-64}" --max-len 512 --pad-multiple 512 --draft-vocab-size 8192 --no-draft-vocab-text
         --optimizer muon --schedule cosine-time --warmup-ratio 0.02 --dpace-alpha 0.5 --max-hours "$hours"
         --steps 1000000 --sim-every "${SIM_EVERY:-100}" --save-every 1000000 --log-every 10 --eval-prompts 0
-        --sim-block-size 4 --save-dtype bfloat16 --seed 21 --compile-cache "")
+        --sim-block-size 4 --save-dtype bfloat16 --seed "${SEED:-21}" --compile-cache "")
 declare -A arm_args=(
   [scratch2]="--layers 2 --num-taps 5 --slot-embedding --lr 1e-3"
   [scratch3]="--layers 3 --num-taps 5 --slot-embedding --lr 1e-3"
-  [init]="--init src/specjax/assets/drafters/smollm2-135m-instruct-dflash --lr 2e-4"
+  [init]="--init ${INIT:-src/specjax/assets/drafters/smollm2-135m-instruct-dflash} --lr 2e-4"
 )
 (nvidia-smi -L || true; python3 -c "import jax; print('jax', jax.__version__, jax.devices())") 2>&1 | tee "$out/run.log"
 share=$(python3 -c "print(round(0.9 / $#, 2))")  # each arm's share of the accelerator's memory
@@ -40,7 +40,7 @@ done
 for i in "${!pids[@]}"; do wait "${pids[$i]}"; echo "arm $i exit $?" >> "$out/run.log"; done
 for arm in "$@"; do
   echo "== $arm" >> "$out/run.log"
-  grep -v "it/s\]\|s/it\]" "runs/device/$arm.out" | tail -40 >> "$out/run.log"
+  tr '\r' '\n' < "runs/device/$arm.out" | grep -v "step/s\]\|s/step\]" | tail -40 >> "$out/run.log"
   d=runs/device/$arm
   [ -d "$d/drafter" ] || { [ -d "$d/checkpoint/drafter" ] && cp -r "$d/checkpoint/drafter" "$d/drafter"; }
   tar czf "runs/device/$arm.tgz" -C "$d" $(cd "$d" && ls -d drafter log.jsonl train_config.json 2>/dev/null)
