@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # DFlash drafter training arms side by side on one accelerator whose image has jax but not specjax (repo root):
-#   [BATCH=64] [SIM_EVERY=100] [INIT=DRAFTER] [SEED=21] scripts/device_train.sh OUT_DIR TARGET_GGUF MINUTES ARM [ARM...]
+#   [BATCH=64] [SIM_EVERY=100] [INIT=DRAFTER] [SEED=21] [COMPILE_CACHE=DIR] \
+#     scripts/device_train.sh OUT_DIR TARGET_GGUF MINUTES ARM [ARM...]
 # Arms (each one process, the same data, draft vocabulary, batches and wall time; MINUTES of training each):
 #   scratch2  2 layers from a random init, Muon lr 1e-3     scratch3  the same with 3 layers
 #   init      the shipped drafter (or $INIT) continued, Muon lr 2e-4
@@ -8,6 +9,9 @@
 # (one compiled shape), cosine over the wall time (--schedule cosine-time), simulated tau on the held-out store.
 # OUT_DIR gets run.log and, per arm, ARM.tgz (drafter/, log.jsonl, train_config.json) split into <= 15 MiB parts
 # ARM.tgz.00, .01, ... (the device tool returns files of at most 16 MiB): `cat ARM.tgz.* | tar xz` joins them.
+# Compiling the step took 165 s of one process on an H200 (session 36): the compile cache (default
+# runs/device/jax-cache, git-ignored, so it stays on a warm machine between calls) spares a second call that cost.
+# scripts/device_stage.sh stages the GGUF target, which does not fit one call, in two halves.
 set -u
 out=${1:?usage: scripts/device_train.sh OUT_DIR TARGET_GGUF MINUTES ARM...}
 gguf=${2:?target GGUF}
@@ -20,17 +24,20 @@ common=(--target "$gguf" --data data/regen-smollm2 --heldout data/heldout-smollm
         --batch-size "${BATCH:-64}" --max-len 512 --pad-multiple 512 --draft-vocab-size 8192 --no-draft-vocab-text
         --optimizer muon --schedule cosine-time --warmup-ratio 0.02 --dpace-alpha 0.5 --max-hours "$hours"
         --steps 1000000 --sim-every "${SIM_EVERY:-100}" --save-every 1000000 --log-every 10 --eval-prompts 0
-        --sim-block-size 4 --save-dtype bfloat16 --seed "${SEED:-21}" --compile-cache "")
+        --sim-block-size 4 --save-dtype bfloat16 --seed "${SEED:-21}"
+        --compile-cache "${COMPILE_CACHE:-runs/device/jax-cache}")
 declare -A arm_args=(
   [scratch2]="--layers 2 --num-taps 5 --slot-embedding --lr 1e-3"
   [scratch3]="--layers 3 --num-taps 5 --slot-embedding --lr 1e-3"
   [init]="--init ${INIT:-src/specjax/assets/drafters/smollm2-135m-instruct-dflash} --lr 2e-4"
 )
+for arm in "$@"; do
+  [ -n "${arm_args[$arm]:-}" ] || { echo "unknown arm $arm (scratch2, scratch3, init)"; exit 2; }
+done
 (nvidia-smi -L || true; python3 -c "import jax; print('jax', jax.__version__, jax.devices())") 2>&1 | tee "$out/run.log"
 share=$(python3 -c "print(round(0.9 / $#, 2))")  # each arm's share of the accelerator's memory
 pids=()
 for arm in "$@"; do
-  [ -n "${arm_args[$arm]:-}" ] || { echo "unknown arm $arm (scratch2, scratch3, init)" | tee -a "$out/run.log"; exit 2; }
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_MEM_FRACTION=$share timeout $(( ${minutes%.*} * 60 + 240 )) python3 -m specjax.cli \
     train-drafter "${common[@]}" ${arm_args[$arm]} --out "runs/device/$arm" --log "runs/device/$arm/log.jsonl" \

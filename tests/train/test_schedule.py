@@ -22,14 +22,15 @@ def test_time_scale_warms_up_then_follows_the_cosine_to_zero():
     assert time_scale(cfg, 0.0) == 0.0 and time_scale(cfg, -1.0) == 0.0
     assert time_scale(cfg, 0.05) == pytest.approx(0.5) and time_scale(cfg, 0.1) == pytest.approx(1.0)
     assert time_scale(cfg, 0.55) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert time_scale(cfg, 1.0) == pytest.approx(0.0, abs=1e-12) and time_scale(cfg, 2.0) == pytest.approx(0.0, abs=1e-12)
+    assert time_scale(cfg, 1.0) == pytest.approx(0.0, abs=1e-12)
+    assert time_scale(cfg, 2.0) == pytest.approx(0.0, abs=1e-12)
     after = [time_scale(cfg, f) for f in np.linspace(0.1, 1.0, 50)]
     assert after == sorted(after, reverse=True)
     with pytest.raises(ValueError, match="max-hours"):
         TrainConfig(schedule="cosine-time")
     with pytest.raises(ValueError, match="unknown schedule"):
         TrainConfig(schedule="linear")
-    with pytest.raises(ValueError, match="pad_multiple"):
+    with pytest.raises(ValueError, match="pad-multiple"):
         TrainConfig(pad_multiple=0)
 
 

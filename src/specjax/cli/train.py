@@ -161,28 +161,27 @@ def cmd_train_drafter(args) -> int:
         raise SystemExit(f"error: --grow-layers must be >= 0, got {args.grow_layers}")
     if args.grow_layers and not (args.method == "dflash" and args.init):
         raise SystemExit("error: --grow-layers appends layers to a DFlash --init drafter; name one with --init")
-    if args.schedule == "cosine-time" and not args.max_hours:
-        raise SystemExit("error: --schedule cosine-time runs over the wall time of --max-hours: give it")
-    if args.pad_multiple < 1:
-        raise SystemExit(f"error: --pad-multiple must be >= 1, got {args.pad_multiple}")
     if args.grown_lr_scale <= 0 or (args.grown_lr_scale != 1.0 and not args.grow_layers):
         raise SystemExit(f"error: --grown-lr-scale {args.grown_lr_scale} needs --grow-layers and a positive value")
+    if args.block_size is not None and args.block_size < 2:
+        raise SystemExit(f"error: --block-size must be >= 2, got {args.block_size}")
+    try:  # TrainConfig checks its own settings (e.g. cosine-time needs --max-hours)
+        cfg = TrainConfig(block_size=args.block_size or 16, batch_size=args.batch_size, num_anchors=args.num_anchors,
+                          max_len=args.max_len, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
+                          weight_decay=args.weight_decay, gamma=args.gamma, dpace_alpha=args.dpace_alpha,
+                          seed=args.seed, distill=args.distill, save_every=args.save_every,
+                          eval_every=args.eval_every, schedule=args.schedule, optimizer=args.optimizer,
+                          max_hours=args.max_hours, sim_every=args.sim_every, log_every=args.log_every,
+                          grown_layers=args.grow_layers, grown_lr_scale=args.grown_lr_scale,
+                          pad_multiple=args.pad_multiple)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     enable_compile_cache(args.compile_cache)
     target = load_model(args.target, DTYPES["float32"])
     store = TokenStore(args.data)
     ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None
-    if args.block_size is not None and args.block_size < 2:
-        raise SystemExit(f"error: --block-size must be >= 2, got {args.block_size}")
     if args.sim_block_size is not None and args.method != "dflash":
         raise SystemExit("error: --sim-block-size is for --method dflash")
-    cfg = TrainConfig(block_size=args.block_size or 16, batch_size=args.batch_size, num_anchors=args.num_anchors,
-                      max_len=args.max_len, steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
-                      weight_decay=args.weight_decay, gamma=args.gamma, dpace_alpha=args.dpace_alpha, seed=args.seed,
-                      distill=args.distill, save_every=args.save_every,
-                      eval_every=args.eval_every, schedule=args.schedule, optimizer=args.optimizer,
-                      max_hours=args.max_hours, sim_every=args.sim_every, log_every=args.log_every,
-                      grown_layers=args.grow_layers, grown_lr_scale=args.grown_lr_scale,
-                      pad_multiple=args.pad_multiple)
     vocab = target.config.vocab_size
     draft_ids, coverage = None, 1.0
     if 0 < args.draft_vocab_size < vocab:

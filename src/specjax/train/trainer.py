@@ -63,9 +63,9 @@ class TrainConfig:
         if self.schedule not in ("cosine", "constant", "cosine-time"):
             raise ValueError(f"unknown schedule {self.schedule!r} (cosine, constant, cosine-time)")
         if self.schedule == "cosine-time" and not self.max_hours:
-            raise ValueError("schedule cosine-time runs over --max-hours: give it")
+            raise ValueError("--schedule cosine-time runs over the wall time of --max-hours: give it")
         if self.pad_multiple < 1:
-            raise ValueError(f"pad_multiple must be >= 1, got {self.pad_multiple}")
+            raise ValueError(f"--pad-multiple must be >= 1, got {self.pad_multiple}")
 
     @property
     def decay(self) -> float:
@@ -654,7 +654,8 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
         if (step + 1) % cfg.log_every == 0 or last:
             loss_v, acc_v = float(loss), float(aux["acc"])
             row = {"step": step + 1, "epoch": epoch, "loss": loss_v, "acc": acc_v, "grad_norm": float(gnorm),
-                   "lr": float(schedule(step)) * scale, "acc_per_slot": [round(float(a), 4) for a in aux["acc_per_slot"]],
+                   "lr": float(schedule(step)) * scale,
+                   "acc_per_slot": [round(float(a), 4) for a in aux["acc_per_slot"]],
                    "tokens_per_s": tokens_seen / elapsed, "elapsed_s": elapsed, "hours": hours0 + elapsed / 3600}
             write(row)
             bar.set_postfix(loss=f"{loss_v:.3f}", acc=f"{acc_v:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
