@@ -38,6 +38,7 @@ done
 share=$(python3 -c "print(round(0.9 / $#, 2))")  # each arm's share of the accelerator's memory
 pids=()
 for arm in "$@"; do
+  rm -rf "runs/device/$arm"  # a fresh arm (its --log would otherwise append to an earlier call's)
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_MEM_FRACTION=$share timeout $(( ${minutes%.*} * 60 + 240 )) python3 -m specjax.cli \
     train-drafter "${common[@]}" ${arm_args[$arm]} --out "runs/device/$arm" --log "runs/device/$arm/log.jsonl" \
