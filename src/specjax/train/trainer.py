@@ -104,7 +104,7 @@ class SequenceBatches:
         order = np.random.default_rng((self.cfg.seed, epoch)).permutation(len(self.seqs))
         picked = [self.seqs[j] for j in order[i * self.cfg.batch_size:(i + 1) * self.cfg.batch_size]]
         m = self.cfg.pad_multiple
-        s = max(-(-max(len(t) for t, _, _ in picked) // m) * m, 1)
+        s = -(-max(len(t) for t, _, _ in picked) // m) * m
         tokens = np.zeros((len(picked), s), np.int32)
         mask = np.zeros((len(picked), s), bool)
         lengths = np.zeros((len(picked),), np.int32)
@@ -645,11 +645,11 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
                                                          jnp.float32(scale), method=method, optimizer=optimizer)
         tokens_seen += int(lengths.sum())
         done = step + 1
-        if t_first is None:
-            jax.block_until_ready(loss)
+        if t_first is None and cfg.schedule == "cosine-time":
+            jax.block_until_ready(loss)  # once: the schedule's clock starts after the first step's compile
             t_first = time.perf_counter()
         elapsed = time.perf_counter() - t_start
-        out_of_time = cfg.max_hours is not None and elapsed >= cfg.max_hours * 3600
+        out_of_time = deadline is not None and time.perf_counter() >= deadline
         last = step + 1 == cfg.steps or out_of_time
         if (step + 1) % cfg.log_every == 0 or last:
             loss_v, acc_v = float(loss), float(aux["acc"])
