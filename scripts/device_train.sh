@@ -5,10 +5,13 @@
 # Arms (each one process, the same data, draft vocabulary, batches and wall time; MINUTES of training each):
 #   scratch2  2 layers from a random init, Muon lr 1e-3     scratch3  the same with 3 layers
 #   init      the shipped drafter (or $INIT) continued, Muon lr 2e-4
+# All arms keep the drafter of their best simulated tau too (--keep-best: best-drafter/, best.json; 8 minutes from
+# scratch overfit the 14.6k-answer store after ~7 epochs, session 37).
 # All arms: the whole regenerated store, block 4 x 256 anchors (every response position), batches padded to 512
 # (one compiled shape), cosine over the wall time (--schedule cosine-time), simulated tau on the held-out store.
-# OUT_DIR gets run.log and, per arm, ARM.tgz (drafter/, log.jsonl, train_config.json) split into <= 15 MiB parts
-# ARM.tgz.00, .01, ... (the device tool returns files of at most 16 MiB): `cat ARM.tgz.* | tar xz` joins them.
+# OUT_DIR gets run.log and, per arm, ARM.tgz (drafter/, best-drafter/, best.json, log.jsonl, train_config.json)
+# split into <= 15 MiB parts ARM.tgz.00, .01, ... (the device tool returns files of at most 16 MiB):
+# `cat ARM.tgz.* | tar xz` joins them.
 # Compiling the step took 165 s of one process on an H200 (session 36): the compile cache (default
 # runs/device/jax-cache, git-ignored, so it stays on a warm machine between calls) spares a second call that cost.
 # scripts/device_stage.sh stages the GGUF target, which does not fit one call, in two halves.
@@ -24,7 +27,7 @@ common=(--target "$gguf" --data data/regen-smollm2 --heldout data/heldout-smollm
         --batch-size "${BATCH:-64}" --max-len 512 --pad-multiple 512 --draft-vocab-size 8192 --no-draft-vocab-text
         --optimizer muon --schedule cosine-time --warmup-ratio 0.02 --dpace-alpha 0.5 --max-hours "$hours"
         --steps 1000000 --sim-every "${SIM_EVERY:-100}" --save-every 1000000 --log-every 10 --eval-prompts 0
-        --sim-block-size 4 --save-dtype bfloat16 --seed "${SEED:-21}"
+        --sim-block-size 4 --save-dtype bfloat16 --seed "${SEED:-21}" --keep-best
         --compile-cache "${COMPILE_CACHE:-runs/device/jax-cache}")
 declare -A arm_args=(
   [scratch2]="--layers 2 --num-taps 5 --slot-embedding --lr 1e-3"
@@ -51,7 +54,8 @@ for arm in "$@"; do
   tr '\r' '\n' < "runs/device/$arm.out" | grep -v "step/s\]\|s/step\]" | tail -40 >> "$out/run.log"
   d=runs/device/$arm
   [ -d "$d/drafter" ] || { [ -d "$d/checkpoint/drafter" ] && cp -r "$d/checkpoint/drafter" "$d/drafter"; }
-  tar czf "runs/device/$arm.tgz" -C "$d" $(cd "$d" && ls -d drafter log.jsonl train_config.json 2>/dev/null)
+  tar czf "runs/device/$arm.tgz" -C "$d" \
+    $(cd "$d" && ls -d drafter best-drafter best.json log.jsonl train_config.json 2>/dev/null)
   split -b 15m -d "runs/device/$arm.tgz" "$out/$arm.tgz."
 done
 ls -la "$out" >> "$out/run.log"

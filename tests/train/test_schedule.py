@@ -1,4 +1,5 @@
-"""The wall-clock learning-rate schedule (--schedule cosine-time) and fixed-length batches (--pad-multiple)."""
+"""Controls of long runs: the wall-clock schedule (--schedule cosine-time), fixed-length batches (--pad-multiple) and
+the best drafter by simulated tau (--keep-best)."""
 
 import json
 import math
@@ -11,8 +12,9 @@ import pytest
 
 from specjax.drafter.loader import drafter_config_for
 from specjax.model.loader import load_model
+from specjax.train.store import TokenStore
 from specjax.train.trainer import (DFlashMethod, SequenceBatches, TrainConfig, batch_features, make_optimizer,
-                                   time_scale, train_step)
+                                   time_scale, train_drafter, train_step)
 from tests.helpers import toy_store
 from tests.train.test_store_and_regen import run_cli
 
@@ -89,3 +91,43 @@ def test_train_drafter_cosine_time_warms_up_over_the_wall_time(tiny_dirs, tmp_pa
     assert len(lrs) == 6 and lrs[0] == 0.0 and lrs == sorted(lrs) and 0.0 < lrs[-1] < 1e-3
     assert json.loads(stdout.strip().splitlines()[-1])["steps"] == 6
     assert json.load(open(os.path.join(out, "train_config.json")))["train"]["pad_multiple"] == 512
+
+
+class ScriptedHeldOut:
+    """A held-out set whose simulated tau follows a script, recording the drafter it was shown each time."""
+
+    def __init__(self, taus):
+        self.taus, self.seen = list(taus), []
+
+    def evaluate(self, method, params, consts):
+        self.seen.append(jax.tree.map(np.array, params))
+        return {"all": {"tau": [1.0, self.taus[len(self.seen) - 1]], "anchors": 1}}
+
+
+def test_keep_best_keeps_the_drafter_of_the_best_simulated_tau(tiny_dirs, tmp_path):
+    target = load_model(tiny_dirs["qwen3"])
+    store = toy_store(str(tmp_path / "data"), 6, 40, 150, 10, seed=2)
+    method = DFlashMethod(drafter_config_for(target.config, num_layers=1, block_size=4, target_layer_ids=(0, 2)),
+                          4, 6, 4.0)
+    cfg = TrainConfig(block_size=4, batch_size=2, max_len=64, steps=6, sim_every=2, schedule="constant",
+                      warmup_ratio=0.0, lr=1e-2, keep_best=True, save_every=100)
+    heldout = ScriptedHeldOut([1.0, 1.5, 2.0, 1.8])  # steps 0, 2, 4, 6: the best is step 4, not the last
+    out = str(tmp_path / "run")
+    summary = train_drafter(target, store, out, method, cfg, resume=False, eval_sets={}, heldout=heldout,
+                            show_progress=False)
+    assert summary["best"]["step"] == 4 and summary["best"]["tau"] == 2.0
+    assert json.load(open(os.path.join(out, "best.json")))["step"] == 4
+    best = jax.tree.leaves(method.load(os.path.join(out, "best-drafter"), target.config))
+    last = jax.tree.leaves(method.load(os.path.join(out, "drafter"), target.config))
+    for b, want, other in zip(best, jax.tree.leaves(heldout.seen[2]), last):
+        np.testing.assert_array_equal(np.asarray(b), want)
+    assert any(not np.array_equal(np.asarray(b), np.asarray(o)) for b, o in zip(best, last))
+    with pytest.raises(ValueError, match="--heldout"):
+        train_drafter(target, store, out, method, cfg, resume=False, eval_sets={}, show_progress=False)
+    with pytest.raises(ValueError, match="--sim-every"):
+        TrainConfig(keep_best=True, sim_every=0)
+    # a resumed run remembers the best of the run before it: a lower tau does not replace it
+    cfg2 = TrainConfig(**{**cfg.__dict__, "steps": 8})
+    summary = train_drafter(target, TokenStore(store.path), out, method, cfg2, resume=True, eval_sets={},
+                            heldout=ScriptedHeldOut([1.9]), show_progress=False)
+    assert summary["best"]["step"] == 4

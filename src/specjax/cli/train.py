@@ -173,9 +173,11 @@ def cmd_train_drafter(args) -> int:
                           eval_every=args.eval_every, schedule=args.schedule, optimizer=args.optimizer,
                           max_hours=args.max_hours, sim_every=args.sim_every, log_every=args.log_every,
                           grown_layers=args.grow_layers, grown_lr_scale=args.grown_lr_scale,
-                          pad_multiple=args.pad_multiple)
+                          pad_multiple=args.pad_multiple, keep_best=args.keep_best)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if args.keep_best and not args.heldout:
+        raise SystemExit("error: --keep-best picks the drafter by simulated tau on held-out answers: give --heldout")
     enable_compile_cache(args.compile_cache)
     target = load_model(args.target, DTYPES["float32"])
     store = TokenStore(args.data)
@@ -382,6 +384,8 @@ def register(sub) -> None:
     t.add_argument("--heldout", default=None, help="token store of target answers to held-out prompts: simulated "
                    "tau every --sim-every steps")
     t.add_argument("--sim-every", type=int, default=100)
+    t.add_argument("--keep-best", action="store_true", help="also keep the drafter of the best simulated tau so far "
+                   "(OUT/best-drafter, OUT/best.json): long runs over a small store overfit")
     t.add_argument("--features", default=None, help="feature cache from `specjax cache-features` (default: "
                    "compute target features online, one forward per batch)")
     t.add_argument("--compile-cache", default=DEFAULT_CACHE)

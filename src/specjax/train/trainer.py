@@ -58,6 +58,7 @@ class TrainConfig:
     grown_layers: int = 0  # DFlash: the last this many layers were appended to the init drafter (--grow-layers) ...
     grown_lr_scale: float = 1.0  # ... and train at this multiple of the learning rate (they start from zero output)
     pad_multiple: int = 64  # batch lengths padded to a multiple of this (max_len: one compiled step shape)
+    keep_best: bool = False  # also keep the drafter of the best simulated tau so far (OUT/best-drafter, best.json)
 
     def __post_init__(self):
         if self.schedule not in ("cosine", "constant", "cosine-time"):
@@ -66,6 +67,8 @@ class TrainConfig:
             raise ValueError("--schedule cosine-time runs over the wall time of --max-hours: give it")
         if self.pad_multiple < 1:
             raise ValueError(f"--pad-multiple must be >= 1, got {self.pad_multiple}")
+        if self.keep_best and not self.sim_every:
+            raise ValueError("--keep-best picks the drafter by simulated tau: give --sim-every > 0 (and --heldout)")
 
     @property
     def decay(self) -> float:
@@ -565,6 +568,9 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
                   log_path: str | None = None, mesh=None) -> dict:
     """Train (or resume) a drafter for `target`; writes out_dir/{drafter,checkpoint,log.jsonl,curve.png}.
 
+    With `cfg.keep_best`, also out_dir/best-drafter and best.json: the drafter of the highest simulated tau (all
+    held-out sources, the longest K) seen by this run, for runs that outlast their data (many epochs overfit).
+
     `features`: an optional FeatureCache over `store` holding the method's taps (checked before training).
     `init_from`: start from this drafter checkpoint's weights (fresh optimizer state) instead of a random init.
     `heldout`: a HeldOutSet for simulated tau every `cfg.sim_every` steps.  `log_path`: a learning-curve log
@@ -577,6 +583,8 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
 
     from specjax.parallel import mesh_size, replicate, shard_batch
 
+    if cfg.keep_best and heldout is None:
+        raise ValueError("--keep-best picks the drafter by simulated tau on held-out answers: give --heldout")
     if cfg.batch_size % mesh_size(mesh):
         raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of the {mesh_size(mesh)} data-parallel "
                          "devices")
@@ -590,11 +598,14 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     params = method.load(init_from, tcfg) if init_from else method.init_params(jax.random.PRNGKey(cfg.seed), target,
                                                                                 tap_rms)
     opt_state = optimizer.init(params)
-    step0 = 0
+    step0, summary = 0, {}
     shared_log = log_path is not None  # an explicit learning-curve log is always appended to, never reset
     log_path = log_path or os.path.join(out_dir, "log.jsonl")
     if resume and os.path.isdir(os.path.join(out_dir, "checkpoint")):
         params, opt_state, step0 = load_checkpoint(out_dir, method, tcfg, opt_state)
+        if cfg.keep_best and os.path.exists(os.path.join(out_dir, "best.json")):
+            with open(os.path.join(out_dir, "best.json")) as fh:
+                summary["best"] = json.load(fh)  # a resumed run keeps the best of the runs before it
         log.info("resumed from step %d", step0)
     elif os.path.exists(log_path) and not init_from and not shared_log:
         os.remove(log_path)
@@ -610,7 +621,6 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     params, opt_state, consts = replicate((params, opt_state, consts), mesh)
     bar = tqdm(total=cfg.steps, initial=step0, unit="step", dynamic_ncols=True, disable=not show_progress)
     t_start, tokens_seen = time.perf_counter(), 0
-    summary = {}
 
     def write(row):
         with open(log_path, "a") as fh:
@@ -626,6 +636,12 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
         bar.write(f"step {step}: simulated tau(K={len(sim['all']['tau'])}) = {sim['all']['tau'][-1]:.3f}, "
                   f"tau(3) = {sim['all']['tau'][min(2, len(sim['all']['tau']) - 1)]:.3f}")
         summary["sim"] = sim
+        tau = sim["all"]["tau"][-1]
+        if cfg.keep_best and tau > summary.get("best", {}).get("tau", -1.0):
+            summary["best"] = {"step": step, "tau": tau, "hours": hours0 + (time.perf_counter() - t_start) / 3600}
+            method.save(os.path.join(out_dir, "best-drafter"), on_one_device(params), dtype=save_dtype)
+            with open(os.path.join(out_dir, "best.json"), "w") as fh:
+                json.dump(summary["best"], fh)
 
     if heldout is not None and cfg.sim_every and step0 == 0:
         simulate(0)
