@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # DFlash drafter training arms side by side on one accelerator whose image has jax but not specjax (repo root):
-#   [BATCH=64] [SIM_EVERY=100] [INIT=DRAFTER] [SEED=21] [COMPILE_CACHE=DIR] \
+#   [BATCH=64] [SIM_EVERY=100] [INIT=DRAFTER] [SEED=21] [COMPILE_CACHE=DIR] [DATA=STORE[,STORE...]] \
 #     scripts/device_train.sh OUT_DIR TARGET_GGUF MINUTES ARM [ARM...]
 # Arms (each one process, the same data, draft vocabulary, batches and wall time; MINUTES of training each):
 #   scratch2  2 layers from a random init, Muon lr 1e-3     scratch3  the same with 3 layers
 #   init      the shipped drafter (or $INIT) continued, Muon lr 2e-4
 # All arms keep the drafter of their best simulated tau too (--keep-best: best-drafter/, best.json; 8 minutes from
 # scratch overfit the 14.6k-answer store after ~7 epochs, session 37).
-# All arms: the whole regenerated store, block 4 x 256 anchors (every response position), batches padded to 512
-# (one compiled shape), cosine over the wall time (--schedule cosine-time), simulated tau on the held-out store.
+# All arms: the whole regenerated store (or DATA: several stores read as one), block 4 x 256 anchors (every
+# response position), batches padded to 512 (one compiled shape), cosine over the wall time (--schedule
+# cosine-time), simulated tau on the held-out store.
 # OUT_DIR gets run.log and, per arm, ARM.tgz (drafter/, best-drafter/, best.json, log.jsonl, train_config.json)
 # split into <= 15 MiB parts ARM.tgz.00, .01, ... (the device tool returns files of at most 16 MiB):
 # `cat ARM.tgz.* | tar xz` joins them.
@@ -23,7 +24,8 @@ shift 3
 mkdir -p "$out" runs/device
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 hours=$(python3 -c "print($minutes / 60)")
-common=(--target "$gguf" --data data/regen-smollm2 --heldout data/heldout-smollm2 --block-size 4 --num-anchors 256
+common=(--target "$gguf" --data "${DATA:-data/regen-smollm2}" --heldout data/heldout-smollm2 --block-size 4
+        --num-anchors 256
         --batch-size "${BATCH:-64}" --max-len 512 --pad-multiple 512 --draft-vocab-size 8192 --no-draft-vocab-text
         --optimizer muon --schedule cosine-time --warmup-ratio 0.02 --dpace-alpha 0.5 --max-hours "$hours"
         --steps 1000000 --sim-every "${SIM_EVERY:-100}" --save-every 1000000 --log-every 10 --eval-prompts 0

@@ -11,7 +11,8 @@ from specjax.config import EngineConfig
 from specjax.datasets import Prompt, load_eval, load_train_prompts, recover_sharegpt
 from specjax.llm import LLM
 from specjax.train.regen import regenerate
-from specjax.train.store import TokenStore
+from specjax.train.store import StoreUnion, TokenStore, open_stores
+from specjax.train.trainer import SequenceBatches, TrainConfig
 from tests.helpers import toy_store
 
 
@@ -35,6 +36,34 @@ def test_store_survives_a_torn_write(tmp_path):
     assert (tmp_path / "s" / "tokens.bin").stat().st_size == 6 * 2
     with pytest.raises(ValueError, match="holds vocab_size=300"):
         TokenStore(str(tmp_path / "s"), vocab_size=49152)
+
+
+def test_several_stores_read_as_one_training_set(tiny_dirs, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    toy_store(a, 5, 70, 256, 10, seed=0)
+    toy_store(b, 3, 60, 256, 10, seed=1)  # e.g. sampled answers to some of the same prompts (ids may repeat)
+    assert isinstance(open_stores(a), TokenStore)
+    union = open_stores(f"{a},{b}")
+    assert isinstance(union, StoreUnion) and len(union) == 8 and union.num_tokens == 5 * 70 + 3 * 60
+    assert [list(t) for _, t in union.sequences()] == ([list(t) for _, t in TokenStore(a).sequences()] +
+                                                      [list(t) for _, t in TokenStore(b).sequences()])
+    assert len(SequenceBatches(union, TrainConfig(block_size=4)).seqs) == 8
+    with pytest.raises(ValueError, match="not a token store"):
+        open_stores(f"{a},{tmp_path / 'typo'}")
+    assert not os.path.exists(tmp_path / "typo")  # a wrong path is not created as an empty store
+    TokenStore(str(tmp_path / "c"), 49152)
+    with pytest.raises(ValueError, match="different vocabularies"):
+        open_stores(f"{a},{tmp_path / 'c'}")
+    common = ["train-drafter", "--target", tiny_dirs["qwen3"], "--out", str(tmp_path / "run"), "--layers", "1",
+              "--block-size", "4", "--target-layer-ids", "0,2", "--batch-size", "2", "--num-anchors", "4",
+              "--eval-prompts", "0", "--compile-cache", "", "--steps", "1"]
+    _, err = run_cli(common + ["--data", f"{a},{tmp_path / 'typo'}"], ok=False)
+    assert "error: --data:" in err and "not a token store" in err
+    _, err = run_cli(common + ["--data", f"{a},{b}", "--features", str(tmp_path / "feats")], ok=False)
+    assert "--features caches one store" in err
+    run_cli(common + ["--data", f"{a},{b}"])
+    config = json.load(open(tmp_path / "run" / "train_config.json"))
+    assert config["data"] == f"{a},{b}" and config["data_sequences"] == 8
 
 
 def test_sharegpt_recovery_stops_at_the_truncated_record(tmp_path):
@@ -65,6 +94,10 @@ def test_regenerate_resumes_without_duplicates(tiny_dirs, tmp_path):
     assert second["generated"] == 2 and len(store) == 5
     for rec, toks in store.sequences():
         assert rec["prompt_len"] < len(toks) <= rec["prompt_len"] + 8
+    # the CLI resumes a store only at its own temperature: greedy and sampled answers do not mix in one store
+    _, err = run_cli(["regenerate", "--target", tiny_dirs["qwen3"], "--out", str(tmp_path / "r"), "--sources",
+                      "gsm8k_train", "--temperature", "0.7", "--compile-cache", ""], ok=False)
+    assert "holds answers at temperature 0.0, not 0.7" in err and len(TokenStore(str(tmp_path / "r"))) == 5
 
 
 def test_train_drafter_cli_and_resume(tiny_dirs, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 
 from specjax.cli.common import DEFAULT_CACHE, enable_compile_cache
@@ -24,6 +25,13 @@ def cmd_regenerate(args) -> int:
     enable_compile_cache(args.compile_cache)
     if args.answers == "reference" and args.temperature:
         raise SystemExit("error: --answers reference stores the sources' answers: --temperature does not apply")
+    meta_path = os.path.join(args.out, "meta.json")
+    if os.path.isfile(meta_path):  # a resumed store keeps one kind of answer: greedy and sampled ones do not mix
+        with open(meta_path, encoding="utf-8") as fh:
+            held = json.load(fh).get("temperature", 0.0)
+        if held != args.temperature:
+            raise SystemExit(f"error: {args.out} holds answers at temperature {held}, not {args.temperature}: write "
+                             "sampled answers to a store of their own (train on several with --data A,B)")
     llm = LLM(args.target, method="ar", engine_config=EngineConfig(
         max_model_len=args.max_prompt_tokens + args.max_new_tokens + 1, max_num_seqs=args.batch_size,
         page_size=16, prefill_chunk=256))
@@ -150,7 +158,7 @@ def cmd_train_drafter(args) -> int:
     from specjax.llm import DTYPES
     from specjax.model.loader import load_model
     from specjax.parallel import data_parallel_mesh
-    from specjax.train.store import TokenStore
+    from specjax.train.store import StoreUnion, TokenStore, open_stores
     from specjax.train.trainer import DFlashMethod, Eagle3Method, TrainConfig, train_drafter
 
     if args.dpace_alpha is not None and (args.method != "dflash" or not 0.0 < args.dpace_alpha <= 1.0):
@@ -178,9 +186,15 @@ def cmd_train_drafter(args) -> int:
         raise SystemExit(f"error: {e}") from None
     if args.keep_best and not args.heldout:
         raise SystemExit("error: --keep-best picks the drafter by simulated tau on held-out answers: give --heldout")
+    try:
+        store = open_stores(args.data)
+    except ValueError as e:
+        raise SystemExit(f"error: --data: {e}") from None
+    if args.features and isinstance(store, StoreUnion):
+        raise SystemExit("error: --features caches one store's taps: train on several --data stores with online "
+                         "features (no --features), or merge them first (scripts/merge_stores.py)")
     enable_compile_cache(args.compile_cache)
     target = load_model(args.target, DTYPES["float32"])
-    store = TokenStore(args.data)
     ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None
     if args.sim_block_size is not None and args.method != "dflash":
         raise SystemExit("error: --sim-block-size is for --method dflash")
@@ -305,7 +319,8 @@ def register(sub) -> None:
 
     t = sub.add_parser("train-drafter", help="train a DFlash drafter on target-regenerated data (resumable)")
     t.add_argument("--target", default="default")
-    t.add_argument("--data", required=True, help="token store written by `specjax regenerate`")
+    t.add_argument("--data", required=True, help="token store written by `specjax regenerate`, or several "
+                   "separated by commas, read as one training set (e.g. greedy answers plus sampled ones)")
     t.add_argument("--out", required=True)
     t.add_argument("--method", default="dflash", choices=["dflash", "eagle3"])
     t.add_argument("--layers", type=int, default=2, help="DFlash drafter layers")

@@ -98,3 +98,39 @@ class TokenStore:
         toks = self.tokens()
         for r in self.index:
             yield r, np.asarray(toks[r["offset"]:r["offset"] + r["length"]], dtype=np.int32)
+
+
+class StoreUnion:
+    """Several token stores read as one training set (e.g. greedy answers plus sampled ones), in the given order."""
+
+    def __init__(self, stores: list[TokenStore]):
+        vocabs = {s.meta["vocab_size"] for s in stores}
+        if len(vocabs) != 1:
+            raise ValueError(f"stores {', '.join(s.path for s in stores)} hold different vocabularies "
+                             f"({sorted(vocabs)})")
+        self.stores = stores
+        self.path = ",".join(s.path for s in stores)
+        self.meta = stores[0].meta
+        self.index = [r for s in stores for r in s.index]
+        self.ids = set().union(*(s.ids for s in stores))
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.stores)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.stores)
+
+    def sequences(self):
+        for s in self.stores:
+            yield from s.sequences()
+
+
+def open_stores(spec: str) -> TokenStore | StoreUnion:
+    """`--data PATH[,PATH...]`: one store, or several read as one."""
+    paths = [p for p in spec.split(",") if p]
+    for p in paths:
+        if not os.path.isfile(os.path.join(p, "meta.json")):
+            raise ValueError(f"{p} is not a token store (no meta.json)")
+    stores = [TokenStore(p) for p in paths]
+    return stores[0] if len(stores) == 1 else StoreUnion(stores)
