@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DFlash drafter training arms side by side on one accelerator whose image has jax but not specjax (repo root):
-#   [BATCH=64] [SIM_EVERY=100] [INIT=DRAFTER] [SEED=21] [COMPILE_CACHE=DIR] [DATA=STORE[,STORE...]] \
+#   [BATCH=64] [SIM_EVERY=100] [INIT=DRAFTER] [SEED=21] [COMPILE_CACHE=DIR] [DATA=STORE[,STORE...]] [WD=0] \
 #     scripts/device_train.sh OUT_DIR TARGET_GGUF MINUTES ARM [ARM...]
 # Arms (each one process, the same data, draft vocabulary, batches and wall time; MINUTES of training each):
 #   scratch2  2 layers from a random init, Muon lr 1e-3     scratch3  the same with 3 layers
@@ -27,7 +27,8 @@ hours=$(python3 -c "print($minutes / 60)")
 common=(--target "$gguf" --data "${DATA:-data/regen-smollm2}" --heldout data/heldout-smollm2 --block-size 4
         --num-anchors 256
         --batch-size "${BATCH:-64}" --max-len 512 --pad-multiple 512 --draft-vocab-size 8192 --no-draft-vocab-text
-        --optimizer muon --schedule cosine-time --warmup-ratio 0.02 --dpace-alpha 0.5 --max-hours "$hours"
+        --optimizer muon --weight-decay "${WD:-0}" --schedule cosine-time --warmup-ratio 0.02 --dpace-alpha 0.5
+        --max-hours "$hours"
         --steps 1000000 --sim-every "${SIM_EVERY:-100}" --save-every 1000000 --log-every 10 --eval-prompts 0
         --sim-block-size 4 --save-dtype bfloat16 --seed "${SEED:-21}" --keep-best
         --compile-cache "${COMPILE_CACHE:-runs/device/jax-cache}")
