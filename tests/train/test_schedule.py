@@ -1,6 +1,7 @@
 """Controls of long runs: the wall-clock schedule (--schedule cosine-time), fixed-length batches (--pad-multiple) and
 the best drafter by simulated tau (--keep-best)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -119,7 +120,7 @@ def test_keep_best_keeps_the_drafter_of_the_best_simulated_tau(tiny_dirs, tmp_pa
     assert json.load(open(os.path.join(out, "best.json")))["step"] == 4
     best = jax.tree.leaves(method.load(os.path.join(out, "best-drafter"), target.config))
     last = jax.tree.leaves(method.load(os.path.join(out, "drafter"), target.config))
-    for b, want, other in zip(best, jax.tree.leaves(heldout.seen[2]), last):
+    for b, want in zip(best, jax.tree.leaves(heldout.seen[2])):
         np.testing.assert_array_equal(np.asarray(b), want)
     assert any(not np.array_equal(np.asarray(b), np.asarray(o)) for b, o in zip(best, last))
     with pytest.raises(ValueError, match="--heldout"):
@@ -127,7 +128,7 @@ def test_keep_best_keeps_the_drafter_of_the_best_simulated_tau(tiny_dirs, tmp_pa
     with pytest.raises(ValueError, match="--sim-every"):
         TrainConfig(keep_best=True, sim_every=0)
     # a resumed run remembers the best of the run before it: a lower tau does not replace it
-    cfg2 = TrainConfig(**{**cfg.__dict__, "steps": 8})
+    cfg2 = dataclasses.replace(cfg, steps=8)
     summary = train_drafter(target, TokenStore(store.path), out, method, cfg2, resume=True, eval_sets={},
                             heldout=ScriptedHeldOut([1.9]), show_progress=False)
     assert summary["best"]["step"] == 4

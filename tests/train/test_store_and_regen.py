@@ -50,6 +50,8 @@ def test_several_stores_read_as_one_training_set(tiny_dirs, tmp_path):
     assert len(SequenceBatches(union, TrainConfig(block_size=4)).seqs) == 8
     with pytest.raises(ValueError, match="not a token store"):
         open_stores(f"{a},{tmp_path / 'typo'}")
+    with pytest.raises(ValueError, match="no token store named"):
+        open_stores(",")
     assert not os.path.exists(tmp_path / "typo")  # a wrong path is not created as an empty store
     TokenStore(str(tmp_path / "c"), 49152)
     with pytest.raises(ValueError, match="different vocabularies"):

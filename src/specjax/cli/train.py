@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 
 from specjax.cli.common import DEFAULT_CACHE, enable_compile_cache
@@ -25,13 +24,6 @@ def cmd_regenerate(args) -> int:
     enable_compile_cache(args.compile_cache)
     if args.answers == "reference" and args.temperature:
         raise SystemExit("error: --answers reference stores the sources' answers: --temperature does not apply")
-    meta_path = os.path.join(args.out, "meta.json")
-    if os.path.isfile(meta_path):  # a resumed store keeps one kind of answer: greedy and sampled ones do not mix
-        with open(meta_path, encoding="utf-8") as fh:
-            held = json.load(fh).get("temperature", 0.0)
-        if held != args.temperature:
-            raise SystemExit(f"error: {args.out} holds answers at temperature {held}, not {args.temperature}: write "
-                             "sampled answers to a store of their own (train on several with --data A,B)")
     llm = LLM(args.target, method="ar", engine_config=EngineConfig(
         max_model_len=args.max_prompt_tokens + args.max_new_tokens + 1, max_num_seqs=args.batch_size,
         page_size=16, prefill_chunk=256))
@@ -54,6 +46,10 @@ def cmd_regenerate(args) -> int:
     store = TokenStore(args.out, llm.target.config.vocab_size, meta=meta)
     if store.meta.get("answers", "target") != args.answers:
         raise SystemExit(f"error: {args.out} holds {store.meta.get('answers', 'target')} answers, not {args.answers}")
+    if store.meta.get("temperature", 0.0) != args.temperature:  # greedy and sampled answers do not mix in a store
+        raise SystemExit(f"error: {args.out} holds answers at temperature {store.meta.get('temperature', 0.0)}, not "
+                         f"{args.temperature}: write sampled answers to a store of their own (train on several with "
+                         "--data A,B)")
     exclude = set(TokenStore(args.exclude).ids) if args.exclude else set()
     todo = [p for p in mixed if p.id not in store.ids and p.id not in exclude]
     if args.answers == "reference":

@@ -110,9 +110,6 @@ class StoreUnion:
                              f"({sorted(vocabs)})")
         self.stores = stores
         self.path = ",".join(s.path for s in stores)
-        self.meta = stores[0].meta
-        self.index = [r for s in stores for r in s.index]
-        self.ids = set().union(*(s.ids for s in stores))
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.stores)
@@ -129,6 +126,8 @@ class StoreUnion:
 def open_stores(spec: str) -> TokenStore | StoreUnion:
     """`--data PATH[,PATH...]`: one store, or several read as one."""
     paths = [p for p in spec.split(",") if p]
+    if not paths:
+        raise ValueError(f"no token store named in {spec!r}")
     for p in paths:
         if not os.path.isfile(os.path.join(p, "meta.json")):
             raise ValueError(f"{p} is not a token store (no meta.json)")
