@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 VOCAB = 300  # 256 byte tokens + specials + unused rows
@@ -137,6 +138,19 @@ def kernels_expected() -> bool:
 
     return (simd_isa(cpu_flags()) is not None and bool(os.environ.get("CXX") or shutil.which("g++"))
             and os.environ.get("SPECJAX_KERNELS", "1") != "0")
+
+
+def native_attention_kernel() -> str:
+    """The registered target of the in-place paged-attention CPU kernel; skips where it cannot run, fails where it
+    should (a kernel that stops compiling must fail, not skip)."""
+    from specjax.kernels import quant_kernels
+
+    k = quant_kernels()
+    if k is None:
+        if kernels_expected():
+            pytest.fail("the CPU kernels did not build on a CPU with AVX-512F or AVX2 + FMA and a C++ compiler")
+        pytest.skip("this machine has neither AVX-512F nor AVX2 + FMA, or no C++ compiler")
+    return k.attention
 
 
 def write_gguf_from_hf(hf_dir: str, out_path: str, quant: str | None = None) -> None:

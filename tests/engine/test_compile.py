@@ -110,11 +110,11 @@ def test_prefill_chunks_padded_into_a_larger_program_ask_for_their_own_shape(par
     target, dcfg, dw = parts
     engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 4), dw,
                        EngineConfig(page_size=4, max_model_len=128, max_num_seqs=4, prefill_chunk=32))
-    engine.programs.on_demand, engine.programs.demand_after = True, 2
+    engine.programs.on_demand, engine.programs.demand_after = True, {"decode": 8, "prefill": 2}
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     big = StepShape("prefill", 4, 32, 32, GREEDY)
     engine.programs.build_now(big)
-    short = StepShape("prefill", 1, 16, 32, GREEDY)  # a 10-token prompt at the full width of max_model_len
+    short = StepShape("prefill", 1, 16, 1, GREEDY)  # a 10-token prompt: its only chunk reads no cached pages
     for i in range(3):
         engine.generate([list(range(3 + i, 13 + i))], params)
         assert engine.programs.wait_idle(300)
@@ -142,7 +142,7 @@ def test_a_capped_program_cache_frees_programs_and_changes_no_output(parts):
                            EngineConfig(page_size=4, max_model_len=128, max_num_seqs=2, prefill_chunk=32,
                                         max_step_programs=cap))
         engine.warmup(8, 40, modes=(GREEDY,), background=True)
-        engine.programs.demand_after = 1
+        engine.programs.demand_after = {"decode": 1, "prefill": 1}
         outs = [s.output_ids for p in prompts for s in engine.generate([p], params)]
         outs += [s.output_ids for s in engine.generate(prompts[:2], params)]
         assert engine.programs.wait_idle(300) and engine.programs.foreground_builds == 0
@@ -155,3 +155,30 @@ def test_a_capped_program_cache_frees_programs_and_changes_no_output(parts):
     assert len(everything.ready) > 3 and everything.evictions == 0
     assert len(programs.ready) <= 2 and programs.evictions >= len(everything.ready) - 2
     assert live <= 2 * 2 < len(everything.ready) <= live_everything  # a step (+ a commit, often shared) each
+
+
+def test_on_the_attention_kernel_every_decode_step_passes_the_widest_page_table(parts):
+    """The in-place attention kernel reads each sequence's cached rows only, so a step costs the same at any
+    page-table width: on it every decode step passes the widest table (one program per (batch, K), not one per page
+    bucket too), and the tokens equal those of the gathered path, whose steps take a width per bucket.  On both, a
+    prompt's first prefill chunk reads no cached pages (the narrowest table); its later chunks read the full width."""
+    import dataclasses
+
+    from tests.helpers import native_attention_kernel
+
+    target, dcfg, dw = parts
+    on_kernel = dataclasses.replace(target.weights, attention_kernel=native_attention_kernel())
+    config = EngineConfig(page_size=4, max_model_len=128, max_num_seqs=2, prefill_chunk=32)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    outs, shapes = [], []
+    for weights in (target.weights, on_kernel):
+        engine = LLMEngine(target.config, weights, DFlashProposer(dcfg, 4), dw, config)
+        outs.append([s.output_ids for s in engine.generate([PROMPT, PROMPT[:9]], params)])
+        shapes.append({(s.kind, s.pages) for s in engine.programs.ready})
+    assert outs[0] == outs[1]
+    gathered, in_place = shapes
+    full = 32  # 128 tokens in pages of 4
+    assert {p for kind, p in in_place if kind == "decode"} == {full}
+    assert len({p for kind, p in gathered if kind == "decode"}) > 1
+    assert {p for kind, p in gathered if kind == "prefill"} == {p for kind, p in in_place if kind == "prefill"} \
+        == {1, full}  # the 47-token prompt: a fresh chunk of 32, then 15 tokens after 32 cached

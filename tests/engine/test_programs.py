@@ -84,7 +84,7 @@ def test_a_failed_background_build_reaches_the_step_that_needs_it():
 def test_on_demand_a_padded_step_queues_its_shape_and_an_unfit_step_waits_for_the_background_thread():
     build = SlowBuild(0.05)
     progs = StepPrograms(build)
-    progs.on_demand, progs.demand_after = True, 3
+    progs.on_demand, progs.demand_after = True, {"decode": 3, "prefill": 3}
     progs.build_now(shape(b=1, pg=16))
     for _ in range(2):
         assert progs.get(shape(b=1, pg=4))[0] == shape(b=1, pg=16)  # runs padded

@@ -7,24 +7,13 @@ import numpy as np
 import pytest
 
 from specjax.model.attention import dense_attention, gather_pages, paged_attention, write_pages
-
-
-def native_kernel() -> str:
-    from specjax.kernels import quant_kernels
-    from tests.helpers import kernels_expected
-
-    k = quant_kernels()
-    if k is None:
-        if kernels_expected():  # a kernel that stops compiling must fail here, not skip
-            pytest.fail("the CPU kernels did not build on a CPU with AVX-512F or AVX2 + FMA and a C++ compiler")
-        pytest.skip("this machine has neither AVX-512F nor AVX2 + FMA, or no C++ compiler")
-    return k.attention
+from tests.helpers import native_attention_kernel
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["xla", "kernel"])
 @pytest.mark.parametrize("seed", range(5))
 def test_paged_equals_dense_on_random_ragged_layouts(seed, native):
-    kernel = native_kernel() if native else None
+    kernel = native_attention_kernel() if native else None
     rng = np.random.default_rng(seed)
     b, n_heads, kv_heads, hd = 3, 6, 2, 32
     page_size = int(rng.integers(1, 6))

@@ -27,6 +27,7 @@ from specjax.engine.controller import AdaptiveK
 from specjax.engine.programs import StepPrograms, StepShape
 from specjax.engine.sequence import Sequence, Status
 from specjax.kv.allocator import OutOfPages, PageAllocator
+from specjax.model.attention import reads_pages_in_place
 from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages
 from specjax.parallel import kv_spec, mesh_size, replicate, to_global, to_host, zeros_like_tree
 from specjax.sampling import GREEDY, SamplingParams, sampler_mode
@@ -145,6 +146,11 @@ class LLMEngine:
         self.programs = StepPrograms(self._build_program, release=jax.clear_caches, max_ready=config.max_step_programs)
         self._cost_shape: dict[tuple[int, int, int], StepShape] = {}  # controller cost key -> shape last timed
         self.min_decode_pages = 1  # decode page tables are at least this wide (set by a background warm-up)
+        # Decode steps whose every page read goes to the in-place attention kernel (the CPU kernels, up to its query
+        # limit) cost the same at any page-table width: they all pass the widest, one program per (batch, K).
+        self.decode_pages_free = (reads_pages_in_place(tweights.attention_kernel, max(self.k_options) + 1, dtype,
+                                                       tcfg.head_dim)
+                                  and self.proposer.pages_in_place(tweights.attention_kernel, dtype))
 
     def memory_bytes(self) -> dict[str, dict[str, int]]:
         """Device bytes by part and device: {"weights" (target), "drafter" (arrays not shared with the target),
@@ -299,10 +305,15 @@ class LLMEngine:
         chunk = self.config.prefill_chunk
         tokens = {min(chunk, n - start) for n in prompt_lens for start in range(0, n, chunk)}
         prefill_t = {pick_bucket(n, self.prefill_buckets) for n in tokens}
-        decode_pages = {self._pages_bucket(min(n + k, self.config.max_model_len))
+        decode_pages = {self._decode_pages(n + k, at_least=1)
                         for n in range(min(prompt_lens) + 1, total_len + 1) for k in self.k_options}
-        # background: one prefill program, as wide as these prompts need (a narrow page table is a faster first token)
-        prefill_pages = self._pages_bucket(max(prompt_lens)) if background else None
+        # A prompt's first chunk reads no cached pages (the narrowest table); later chunks read what is cached.
+        # Background: one prefill program, as wide as these prompts' later chunks need (narrow: a faster first token)
+        fresh = self._pages_bucket(1)
+        if max(prompt_lens) <= chunk:
+            prefill_pages = (fresh,)
+        else:
+            prefill_pages = (self._pages_bucket(max(prompt_lens)),) if background else (fresh, self._full_pages)
         if background:  # decode at the widest page table these requests reach: one program per K, not per bucket
             self.min_decode_pages = max(decode_pages)
         n = self._warm(sorted(prefill_t), sorted(decode_pages), batch_sizes, modes, progress, background,
@@ -316,29 +327,36 @@ class LLMEngine:
     def warmup_all(self, modes=(GREEDY,), progress=None, background: bool = False) -> int:
         """Compile every shape this engine can produce (server start-up): no compilation after this (with
         `background`, none on the engine thread: a step waits for its shape or runs in a larger ready one)."""
-        return self._warm(self.prefill_buckets, self.page_buckets, self.batch_buckets, modes, progress, background)
+        decode_pages = (self._full_pages,) if self.decode_pages_free else self.page_buckets
+        prefill_pages = (self._pages_bucket(1),) + (() if background else (self._full_pages,))
+        return self._warm(self.prefill_buckets, decode_pages, self.batch_buckets, modes, progress, background,
+                          prefill_pages)
 
-    def _warm(self, prefill_t, decode_pages, batch_sizes, modes, progress=None, background=False,
-              prefill_pages: int | None = None) -> int:
+    @property
+    def _full_pages(self) -> int:
+        """The widest page table (a bucket): one max_model_len sequence."""
+        return pick_bucket(self.config.max_pages_per_seq, self.page_buckets)
+
+    def _warm(self, prefill_t, decode_pages, batch_sizes, modes, progress, background, prefill_pages) -> int:
         """Compile the shapes for `batch_sizes` x `modes`: prefill chunks of `prefill_t` tokens, decode steps at
         every K option and page bucket of `decode_pages`.  Each is compiled and run once on dummy inputs
         (decode: twice more, timed, as the K controller's cost prior), `progress(done, total)` after each.
         With `background`, only a prefill of the largest chunk for one sequence is built now (per mode, without
         runs): the first prompt runs at once, padded, and every other shape compiles on demand on the background
         thread (`self.programs.on_demand`, see engine/programs.py), so memory grows with the shapes the workload
-        uses, not with every bucket.  The controller then times real steps.  Prefill programs read the full page
-        table (one fits every chunk) unless `prefill_pages` narrows the background one.
+        uses, not with every bucket.  The controller then times real steps.  Prefill programs are built at each
+        page-table width of `prefill_pages` (background: the first).
         """
-        full = pick_bucket(self.config.max_pages_per_seq, self.page_buckets)
         prefill_b = sorted({pick_bucket(min(x, self.prefill_batch_buckets[-1]), self.prefill_batch_buckets)
                             for x in batch_sizes})
         decode_b = sorted({pick_bucket(x, self.batch_buckets) for x in batch_sizes})
         now = []  # listed first so progress knows the total
         for mode in modes:
             if background:
-                now.append(StepShape("prefill", prefill_b[0], max(prefill_t), prefill_pages or full, mode))
+                now.append(StepShape("prefill", prefill_b[0], max(prefill_t), prefill_pages[0], mode))
             else:
-                now += [StepShape("prefill", b, t, full, mode) for b in prefill_b for t in prefill_t]
+                now += [StepShape("prefill", b, t, pg, mode) for b in prefill_b for t in prefill_t
+                        for pg in prefill_pages]
                 now += [StepShape("decode", b, k, pg, mode) for b in decode_b for pg in decode_pages
                         for k in self.k_options]
         # lockstep (several processes): what is not built now compiles on first use, on this thread, in the same
@@ -435,18 +453,22 @@ class LLMEngine:
     def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
         chunks = [seq.all_ids[seq.num_cached:min(seq.prefill_len, seq.num_cached + self.config.prefill_chunk)]
                   for seq in seqs]
-        # Prefill reads the full page-table width (one shape per (batch, tokens) bucket; gathering unused pages
-        # costs ~0.1 s per chunk at 2048 tokens of context), unless a narrower ready program fits the chunk (the
-        # one `warmup` builds for a known prompt: a faster first token).
+        # A chunk reads only the pages of what is cached before it: none for a prompt's first chunk, whose shape
+        # is the narrowest table (gathering 2048 tokens of unused pages costs more than a 64-token chunk itself).
+        # A later chunk reads the full width (one shape per (batch, tokens) bucket), unless a narrower ready
+        # program fits it (the one `warmup` builds for a known prompt: a faster first token).
         b = pick_bucket(len(seqs), self.prefill_batch_buckets)
         t = pick_bucket(max(len(c) for c in chunks), self.prefill_buckets)
         mode = sampler_mode([s.params for s in seqs])
-        full = StepShape("prefill", b, t, self._pages_bucket(self.config.max_model_len), mode)
-        narrow = self.programs.find(StepShape("prefill", b, t, self._pages_bucket(
-            max(s.num_cached + len(c) for s, c in zip(seqs, chunks))), mode))
-        if narrow is not None and (narrow.batch, narrow.n) != (b, t):  # it runs padded: ask for this step's own
-            self.programs.request([full])  # bucket (on demand), or every later chunk pads to the first program
-        need = narrow or full
+        cached = max(s.num_cached for s in seqs)
+        own = StepShape("prefill", b, t, self._full_pages if cached else self._pages_bucket(1), mode)
+        narrow = self.programs.find(StepShape("prefill", b, t, self._pages_bucket(max(cached, 1)), mode))
+        # Padded to a larger (batch, tokens) bucket, or a first chunk gathering the full width: ask for this step's
+        # own shape (on demand), or every later chunk pads to the first program.
+        if narrow is not None and ((narrow.batch, narrow.n) != (b, t)
+                                   or not cached and narrow.pages == self._full_pages > own.pages):
+            self.programs.request([own])
+        need = narrow or own
         shape, program = self.programs.get(need)
         b, t = shape.batch, shape.n
         tokens = np.zeros((b, t), np.int32)
@@ -478,9 +500,13 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------------------------------------ decode
-    def _decode_pages(self, num_tokens: int) -> int:
-        """Page-table width of a decode step reaching `num_tokens` (at least `min_decode_pages`)."""
-        return max(self.min_decode_pages, self._pages_bucket(min(num_tokens, self.config.max_model_len)))
+    def _decode_pages(self, num_tokens: int, at_least: int | None = None) -> int:
+        """Page-table width of a decode step reaching `num_tokens`: at least `at_least` (default
+        `min_decode_pages`), or the widest when it costs nothing (`decode_pages_free`)."""
+        if self.decode_pages_free:
+            return self._full_pages
+        at_least = self.min_decode_pages if at_least is None else at_least
+        return max(at_least, self._pages_bucket(min(num_tokens, self.config.max_model_len)))
 
     def _decode(self, seq_ids: set[int]) -> list[StepOutput]:
         for seq in [s for s in self.running if s.seq_id in seq_ids]:

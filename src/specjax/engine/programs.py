@@ -8,7 +8,8 @@ ready fits, the exact shape is built: moved to the front of the background queue
 there (or `on_demand`), otherwise compiled on the calling thread and counted in `foreground_builds` (a server that
 promises no compilation on its engine thread checks that this stays 0).  With `on_demand`, steps that run padded
 also queue their exact shape once `demand_after` of them asked for it (a short answer then compiles nothing while
-it decodes: tracing holds the GIL and compiling takes a core), so only the shapes a workload uses get compiled:
+it decodes: tracing holds the GIL and compiling takes a core; a padded prefill soon gets its own shape), so only
+the shapes a workload uses get compiled:
 each XLA:CPU executable of a
 30-layer target holds ~35-75 MB of host memory (measured on SmolLM2-135M), which is what made a server with
 every shape compiled hold 9.4 GB.  With `on_demand`, `max_ready` caps the programs kept: after each background
@@ -21,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Callable, NamedTuple
 
 from specjax.hostmem import release_freed_memory
@@ -57,7 +59,9 @@ class StepPrograms:
         self.runs: collections.Counter = collections.Counter()  # lookups that returned each shape
         self.foreground_builds = 0
         self.on_demand = False  # queue the exact shape of steps that had to run padded
-        self.demand_after = 8  # ... once that many steps asked for it (a short answer compiles nothing more)
+        # ... once that many steps of its kind asked for it: a short answer compiles nothing more while it decodes,
+        # and a prefill, whose padding multiplies the whole forward (a batch of 1 in a program of 4), soon gets its own
+        self.demand_after = {"decode": 8, "prefill": 3}
         self._demand: collections.Counter = collections.Counter()
         self._queue: collections.deque[StepShape] = collections.deque()
         self._building: StepShape | None = None
@@ -72,7 +76,9 @@ class StepPrograms:
         with self._cv:
             if shape in self.ready:
                 return self.ready[shape]
+        t0 = time.perf_counter()
         fn = self._build(shape)
+        log.info("compiled step shape %s in %.1f s", shape, time.perf_counter() - t0)
         with self._cv:
             if shape not in self.ready and shape in self._evicted:
                 self.rebuilds += 1
@@ -127,7 +133,7 @@ class StepPrograms:
         for s in shapes:
             if s not in self.ready:
                 self._demand[s] += 1
-                if self._demand[s] >= self.demand_after:
+                if self._demand[s] >= self.demand_after[s.kind]:
                     due.append(s)
         if due:
             self.prefetch(due)

@@ -96,6 +96,14 @@ def cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, n
 KERNEL_MAX_QUERIES = 8
 
 
+def reads_pages_in_place(kernel: str | None, queries: int, dtype, head_dim: int) -> bool:
+    """Does attention of `queries` rows per sequence over `dtype` pools of `head_dim` go to the in-place kernel?
+    Its cost then does not depend on the page table's width (it reads each sequence's cached rows only), so a step
+    may pass the widest table at no cost; the gathered path copies every page of the table."""
+    return (kernel is not None and queries <= KERNEL_MAX_QUERIES and jnp.dtype(dtype) == jnp.float32
+            and head_dim % 16 == 0 and head_dim <= 256)
+
+
 def paged_attention(q, k_pool, v_pool, page_table, positions, valid, k_new, v_new, scale, kernel=None):
     """Causal attention of this step's queries q [B, T, N, H] at `positions` [B, T] (consecutive, starting at
     positions[:, 0] = the number of cached tokens) over the cached pages plus the step's own rows k_new, v_new
@@ -114,7 +122,7 @@ def pages_and_new_attention(q, k_pool, v_pool, page_table, cache_lens, k_new, v_
     of at most KERNEL_MAX_QUERIES queries per sequence; otherwise the pages are gathered and XLA attends over the
     copy."""
     b, t, n, h = q.shape
-    if kernel is None or t > KERNEL_MAX_QUERIES or not q.dtype == k_pool.dtype == jnp.float32 or h % 16 or h > 256:
+    if not (reads_pages_in_place(kernel, t, k_pool.dtype, h) and q.dtype == jnp.float32):
         k_cache, v_cache = gather_pages(k_pool, page_table), gather_pages(v_pool, page_table)
         cache_visible = jnp.arange(k_cache.shape[2])[None, :] < cache_lens[:, None]
         return cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible, scale)

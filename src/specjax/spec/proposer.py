@@ -15,6 +15,9 @@ functions) whose methods are pure functions of (params, state, inputs):
   for the tokens after `bonus` (which sits at position `start`).
 * `prepare(params, target)` (optional)  called once by the engine: derived, read-only params (e.g. the draft
   vocabulary's head rows).
+* `pages_in_place(kernel, dtype)`  whether every read of the paged state by `propose` goes to the in-place
+  attention kernel `kernel` (model/attention.py `reads_pages_in_place`): then a step's page-table width costs
+  nothing and the engine passes the widest one (fewer compiled shapes).
 * Host proposers (n-gram) set `on_device = False` and implement `host_propose(token_ids, k)` instead.
 """
 
@@ -28,6 +31,7 @@ import numpy as np
 from specjax.config import ConfigError, DrafterConfig
 from specjax.drafter import dflash
 from specjax.drafter.eagle3 import Eagle3Config
+from specjax.model.attention import reads_pages_in_place
 from specjax.model.target import init_kv_pages
 
 
@@ -48,6 +52,9 @@ class NoProposer:
 
     def propose(self, params, state, target, bonus, start, page_table, num_draft):
         return jnp.zeros((bonus.shape[0], num_draft), jnp.int32)
+
+    def pages_in_place(self, kernel, dtype) -> bool:
+        return True  # reads no pages
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,9 @@ class DFlashProposer:
         return dflash.propose_tokens(params, self.cfg, state, target.embed, target.head_matrix, bonus, start,
                                      page_table, num_draft, self.block_size, target.attention_kernel)
 
+    def pages_in_place(self, kernel, dtype) -> bool:
+        return reads_pages_in_place(kernel, self.block_size, dtype, self.cfg.head_dim)  # one block of queries
+
     def prepare(self, params, target):
         """Once per engine: cut the draft vocabulary's head rows (if any) out of the target head (its GGUF blocks
         when the target head runs on the CPU kernels); on the kernels, a bfloat16 drafter's matrices also go
@@ -113,6 +123,9 @@ class HostProposer:
 
     def observe(self, params, taps, positions, next_tokens):
         return None
+
+    def pages_in_place(self, kernel, dtype) -> bool:
+        return True  # reads no pages
 
     def host_propose(self, token_ids: list[int], k: int) -> list[int]:
         raise NotImplementedError
@@ -178,3 +191,6 @@ class Eagle3Proposer:
 
         return eagle3.propose(params.drafter, self.cfg, state, target.embed, bonus, start, page_table, num_draft,
                               target.attention_kernel)
+
+    def pages_in_place(self, kernel, dtype) -> bool:
+        return reads_pages_in_place(kernel, 1, dtype, self.cfg.head_dim)  # one query per chain step
