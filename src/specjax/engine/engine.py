@@ -461,12 +461,12 @@ class LLMEngine:
         t = pick_bucket(max(len(c) for c in chunks), self.prefill_buckets)
         mode = sampler_mode([s.params for s in seqs])
         cached = max(s.num_cached for s in seqs)
-        own = StepShape("prefill", b, t, self._full_pages if cached else self._pages_bucket(1), mode)
+        full = self._full_pages
+        own = StepShape("prefill", b, t, full if cached else self._pages_bucket(1), mode)
         narrow = self.programs.find(StepShape("prefill", b, t, self._pages_bucket(max(cached, 1)), mode))
         # Padded to a larger (batch, tokens) bucket, or a first chunk gathering the full width: ask for this step's
         # own shape (on demand), or every later chunk pads to the first program.
-        if narrow is not None and ((narrow.batch, narrow.n) != (b, t)
-                                   or not cached and narrow.pages == self._full_pages > own.pages):
+        if narrow is not None and ((narrow.batch, narrow.n) != (b, t) or not cached and narrow.pages == full):
             self.programs.request([own])
         need = narrow or own
         shape, program = self.programs.get(need)
