@@ -52,7 +52,8 @@ def regenerate(llm, prompts: list[Prompt], store: TokenStore, max_new_tokens: in
             continue
         ids = llm.encode(messages)
         room = max_new_tokens if max_seq_tokens is None else min(max_new_tokens, max_seq_tokens - len(ids))
-        if len(ids) > max_prompt_tokens or len(ids) + 1 >= engine.config.max_model_len or room < min(MIN_NEW_TOKENS, max_new_tokens):
+        too_long = len(ids) > max_prompt_tokens or len(ids) + 1 >= engine.config.max_model_len
+        if too_long or room < min(MIN_NEW_TOKENS, max_new_tokens):
             skipped += 1
             continue
         params = SamplingParams(temperature=temperature, max_new_tokens=room, seed=seed + i)
