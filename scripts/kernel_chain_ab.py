@@ -1,7 +1,8 @@
 """Paired A/B of the quantized matmul kernel (kernels/quant_matmul.cc) of two git revisions on one decode step's chain
 of products: SmolLM2-135M's 30 x (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) Q4_1 matrices and its
 49152x576 Q8_0 head, every matrix a distinct device buffer (111 MB streamed per step, as in decoding), for M = 1, 4, 8
-tokens, the two kernels interleaved in one process.  Only the products: no attention, norms or dispatch of a real
+tokens (or any M: the kernels are called directly), the two kernels interleaved in one process; with --xla, XLA's
+float32 dot on the same (dequantized) matrices too.  Only the products: no attention, norms or dispatch of a real
 step, so a kernel change shows at the resolution a full `specjax analyze kflat` A/B cannot reach on a noisy VM.
 
     python scripts/kernel_chain_ab.py --a HEAD --b int8-activations [--reps 15] [--m 1,4,8] [--out FILE]
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import QUANT_HANDLERS, build
-from specjax.model.quant import HostBlocks, matmul, to_device
+from specjax.model.gguf_file import dequantize
+from specjax.model.quant import HostBlocks, kernel_product, to_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_DIR = "src/specjax/kernels"
@@ -63,9 +65,11 @@ def register(rev: str, tag: str, tmp: str) -> None:
 
 
 def chain(ws, x):
+    """The chain's products on the kernel (any M), or on XLA's float32 dot for plain [O, I] arrays."""
     total = jnp.float32(0)
     for w in ws:
-        total = total + matmul(w, x[: w.shape[1]]).sum()
+        y = w @ x[: w.shape[1]] if isinstance(w, jax.Array) else kernel_product(w, x[: w.shape[1]])
+        total = total + y.sum()
     return total
 
 
@@ -78,27 +82,33 @@ def main() -> int:
     p.add_argument("--m", default="1,4,8", help="tokens per product")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--out", default=None, help="write the JSON report here")
+    p.add_argument("--xla", action="store_true", help="also time XLA's float32 dot on the dequantized matrices")
     args = p.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         register(args.a, "a", tmp)
         register(args.b, "b", tmp)
-        blocks = {}
+        blocks, dense = {}, {}
         for kind, rows, cols in set(CHAIN):
             data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
                                         gguf.GGMLQuantizationType[kind])
             blocks[(kind, rows, cols)] = HostBlocks.from_gguf(data, kind)
-        # the float32 side of each QuantMatrix is never read at M <= KERNEL_MAX_TOKENS: zeros stand in for it
+            if args.xla:
+                dense[(kind, rows, cols)] = dequantize(data, gguf.GGMLQuantizationType[kind])
+        # the kernels never read a QuantMatrix's float32 side: zeros stand in for it
         mats = [to_device(blocks[s], jnp.zeros(s[1:], jnp.float32), "") for s in CHAIN]
         sides = {tag: [dataclasses.replace(w, target=f"chain_{tag}_{s[0]}") for w, s in zip(mats, CHAIN)]
                  for tag in ("a", "b")}
+        if args.xla:  # every matrix its own buffer, as the kernels' blocks are
+            sides["xla"] = [jnp.array(dense[s]) for s in CHAIN]
         step = jax.jit(chain)
         report = {"a": args.a, "b": args.b, "threads": len(os.sched_getaffinity(0)), "m": {}}
         for m in [int(v) for v in args.m.split(",")]:
             x = jnp.asarray(rng.standard_normal((max(s[2] for s in CHAIN), m)).astype(np.float32))
-            times = {"a": [], "b": []}
-            for tag in times:
-                step(sides[tag], x).block_until_ready()
+            times = {tag: [] for tag in sides}
+            totals = {tag: float(step(sides[tag], x)) for tag in times}
+            if totals["a"] != totals["b"]:  # the same products summed the same way: equal to the bit
+                print(f"M={m}: A and B differ ({totals['a']!r} vs {totals['b']!r})", flush=True)
             for _ in range(args.reps):
                 for tag in times:
                     t = time.perf_counter()
@@ -107,9 +117,11 @@ def main() -> int:
             row = {f"{tag}_{stat}": round(float(f(v)), 3) for tag, v in times.items()
                    for stat, f in (("median_ms", np.median), ("min_ms", np.min))}
             row["speedup_median"] = round(row["a_median_ms"] / row["b_median_ms"], 3)
+            row["a_equals_b"] = totals["a"] == totals["b"]
             report["m"][m] = row
             print(f"M={m}: A {row['a_median_ms']:.2f} ms (min {row['a_min_ms']:.2f})  B {row['b_median_ms']:.2f} ms "
-                  f"(min {row['b_min_ms']:.2f})  B speedup {row['speedup_median']:.2f}x", flush=True)
+                  f"(min {row['b_min_ms']:.2f})  B speedup {row['speedup_median']:.2f}x"
+                  + (f"  XLA {row['xla_median_ms']:.2f} ms" if "xla" in times else ""), flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)

@@ -136,6 +136,11 @@ def matmul(w, x: jax.Array) -> jax.Array:
     """W[O, I] @ x[I, M] -> [O, M]: the kernel for a QuantMatrix and M <= KERNEL_MAX_TOKENS, else XLA."""
     if not isinstance(w, QuantMatrix) or x.shape[1] > KERNEL_MAX_TOKENS or x.dtype != jnp.float32:
         return dense(w) @ x
+    return kernel_product(w, x)
+
+
+def kernel_product(w: QuantMatrix, x: jax.Array) -> jax.Array:
+    """W[O, I] @ float32 x[I, M] -> [O, M] on the QuantMatrix's kernel, whatever M."""
     args = tuple(a for a in (w.codes, w.scales, w.mins) if a is not None) + (x,)
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(w.target, out)(*args)
