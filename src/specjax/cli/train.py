@@ -279,9 +279,9 @@ def register(sub) -> None:
     r.add_argument("--target", default="default")
     r.add_argument("--out", required=True, help="token store directory (resumes if it exists)")
     r.add_argument("--sources", default="gsm8k_train,codealpaca,sharegpt,mbpp_train",
-                   help="training sources (also sharegpt_turn2: ShareGPT's second user turns, answered after the "
-                        "store's own answer to the first, so after `sharegpt` into the same --out), or "
-                        "heldout:DATASET for answers to held-out eval prompts")
+                   help="training sources (also sharegpt_turn2: ShareGPT's second user turns, each answered after "
+                        "the answer to its first turn that --out held when the run started: run `sharegpt` first), "
+                        "or heldout:DATASET for answers to held-out eval prompts")
     r.add_argument("--limits", default=None, help="max prompts per source, comma-separated in --sources order")
     r.add_argument("--data-dir", default=None,
                    help="folder with gsm8k_train.jsonl, mbpp.jsonl (default ../shared/data)")

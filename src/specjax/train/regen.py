@@ -20,16 +20,16 @@ log = logging.getLogger(__name__)
 MIN_NEW_TOKENS = 16  # a prompt leaving less room than this under --max-seq-tokens is skipped as too long
 
 
-def conversation(p: Prompt, store: TokenStore, records: dict, tokenizer) -> list[dict] | None:
+def conversation(p: Prompt, records: dict, tokens, tokenizer) -> list[dict] | None:
     """The chat messages the target answers for `p`: its user turn, or for a second turn (Prompt.after) the first
-    turn, the target's own answer to it as `store` holds it, then the second turn (as `specjax bench` runs
-    mt_bench's second turns); None when that first answer is not stored."""
+    turn, the target's own answer to it as a store holds it (`records` by id, `tokens`: TokenStore.tokens()), then
+    the second turn (as `specjax bench` runs mt_bench's second turns); None when that first answer is not stored."""
     if p.after is None:
         return [{"role": "user", "content": p.turns[0]}]
     rec = records.get(p.after)
     if rec is None:
         return None
-    answer = store.tokens()[rec["offset"] + rec["prompt_len"]:rec["offset"] + rec["length"]]
+    answer = tokens[rec["offset"] + rec["prompt_len"]:rec["offset"] + rec["length"]]
     return [{"role": "user", "content": p.turns[0]},
             {"role": "assistant", "content": tokenizer.decode(answer.tolist(), skip_special_tokens=True)},
             {"role": "user", "content": p.turns[1]}]
@@ -42,11 +42,12 @@ def regenerate(llm, prompts: list[Prompt], store: TokenStore, max_new_tokens: in
     engine = llm.engine
     pending = {}
     skipped = no_first_answer = 0
-    records = {r["id"]: r for r in store.index}
+    records = {r["id"]: r for r in store.index}  # first answers: those stored before this run
+    tokens = store.tokens() if any(p.after for p in prompts) else None
     for i, p in enumerate(prompts):
         if p.id in store.ids:
             continue
-        messages = conversation(p, store, records, llm.tokenizer)
+        messages = conversation(p, records, tokens, llm.tokenizer)
         if messages is None:
             no_first_answer += 1
             continue
