@@ -40,68 +40,48 @@ struct Args {
   float scale;
 };
 
-constexpr int kS = 8;  // keys scored together: independent accumulators, one load of q per h
-
-// Scores of keys kr[0 .. cnt) (s0 .. s0 + cnt - 1) for every row: st[s, r] = sum_h qt[h, r] k_s[h], in h order.
-inline void Score(const float* const* kr, int64_t cnt, const float* qt, int64_t H, int64_t rp, float* st) {
-  for (int64_t rb = 0; rb < rp; rb += kLanes) {
-    Vec acc[kS];
-    for (int i = 0; i < kS; ++i) acc[i] = Zero();
-    for (int64_t h = 0; h < H; ++h) {
-      const Vec qv = Load(qt + h * rp + rb);
-      for (int i = 0; i < kS; ++i) acc[i] = Fma(Set1(kr[i][h]), qv, acc[i]);
-    }
-    for (int64_t i = 0; i < cnt; ++i) Store(st + i * rp + rb, acc[i]);
-  }
-}
-
-// acc[r, :] += p[r] v for every row: p = st's row of one key, v its value row.
-inline void Accumulate(const float* v, const float* p, int64_t R, int64_t H, float* acc) {
-  Vec vv[kMaxVec];
-  for (int64_t j = 0; j < H / kLanes; ++j) vv[j] = Load(v + kLanes * j);
-  for (int64_t r = 0; r < R; ++r) {
-    const Vec pr = Set1(p[r]);
-    float* orow = acc + r * H;
-    for (int64_t j = 0; j < H / kLanes; ++j) Store(orow + kLanes * j, Fma(pr, vv[j], Load(orow + kLanes * j)));
-  }
-}
-
 // One (KV head, sequence) pair: its R = T x G query rows (row r = query t = r / G, head kh * G + r % G).  Scores
 // are kept transposed, st[s, r] (rows padded to whole vectors of kLanes), so that one vector holds kLanes query
 // rows' scores for one key: a score is sum_h q[r, h] k[s, h] accumulated in h order in its own lane, the same
 // arithmetic for every row whatever R is.
 void Pair(const Args& a, int64_t kh, int64_t b, std::vector<float>& qt, std::vector<float>& st,
-          std::vector<float>& lsum, std::vector<float>& acc, std::vector<int64_t>& roff) {
+          std::vector<float>& lsum) {
   const int64_t H = a.head_dim, G = a.heads / a.kv_heads, R = a.steps * G, Z = a.page_size, T2 = a.new_rows;
   const int64_t nv = H / kLanes, rp = (R + kLanes - 1) / kLanes * kLanes;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(a.lengths[b], 0), a.table_width * Z), total = n + T2;
-  roff.resize(R);  // offset of row r of this pair in q and out, [B, T, N, H]
-  for (int64_t r = 0; r < R; ++r) roff[r] = ((b * a.steps + r / G) * a.heads + kh * G + r % G) * H;
+  auto qrow = [&](int64_t r) {  // offset of row r of this pair in q and out, [B, T, N, H]
+    return ((b * a.steps + r / G) * a.heads + kh * G + r % G) * H;
+  };
   const int32_t* table = a.table + b * a.table_width;
   const float* kbase = a.k_pool + kh * a.pages * Z * H;
   const float* vbase = a.v_pool + kh * a.pages * Z * H;
+  auto key = [&](const float* pool, const float* fresh, int64_t s) {  // cached position s, then new row s - n
+    if (s < n) return pool + (static_cast<int64_t>(table[s / Z]) * Z + s % Z) * H;
+    return fresh + ((b * T2 + (s - n)) * a.kv_heads + kh) * H;
+  };
   qt.assign(H * rp, 0.0f);  // q transposed, [H, rp], scaled: scores come out scaled
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t h = 0; h < H; ++h) qt[h * rp + r] = a.q[roff[r] + h] * a.scale;
+    for (int64_t h = 0; h < H; ++h) qt[h * rp + r] = a.q[qrow(r) + h] * a.scale;
   st.resize(total * rp);
-  const float* kr[kS];
-  for (int64_t s0 = 0; s0 < n; s0 += kS) {  // cached positions, read in place
-    const int64_t cnt = n - s0 < kS ? n - s0 : kS;
-    for (int64_t i = 0; i < kS; ++i) {
-      const int64_t s = s0 + (i < cnt ? i : 0);
-      kr[i] = kbase + (static_cast<int64_t>(table[s / Z]) * Z + s % Z) * H;
+  constexpr int kS = 8;  // keys scored together: independent accumulators, one load of q per h
+  for (int64_t s0 = 0; s0 < total; s0 += kS) {
+    const int64_t cnt = total - s0 < kS ? total - s0 : kS;
+    const float* kr[kS];
+    for (int64_t i = 0; i < kS; ++i) kr[i] = key(kbase, a.k_new, s0 + (i < cnt ? i : 0));
+    for (int64_t rb = 0; rb < rp; rb += kLanes) {
+      Vec acc[kS];
+      for (int i = 0; i < kS; ++i) acc[i] = Zero();
+      for (int64_t h = 0; h < H; ++h) {
+        const Vec qv = Load(qt.data() + h * rp + rb);
+        for (int i = 0; i < kS; ++i) acc[i] = Fma(Set1(kr[i][h]), qv, acc[i]);
+      }
+      for (int64_t i = 0; i < cnt; ++i) Store(st.data() + (s0 + i) * rp + rb, acc[i]);
     }
-    Score(kr, cnt, qt.data(), H, rp, st.data() + s0 * rp);
-  }
-  for (int64_t j0 = 0; j0 < T2; j0 += kS) {  // the step's own rows
-    const int64_t cnt = T2 - j0 < kS ? T2 - j0 : kS;
-    for (int64_t i = 0; i < kS; ++i) kr[i] = a.k_new + ((b * T2 + j0 + (i < cnt ? i : 0)) * a.kv_heads + kh) * H;
-    Score(kr, cnt, qt.data(), H, rp, st.data() + (n + j0) * rp);
   }
   const int32_t* vis = a.visible + b * a.steps * T2;
-  for (int64_t t = 0; t < a.steps; ++t)  // new rows a query may not see
-    for (int64_t j = 0; j < T2; ++j)
-      if (!vis[t * T2 + j]) std::fill(st.data() + (n + j) * rp + t * G, st.data() + (n + j) * rp + (t + 1) * G, kMask);
+  for (int64_t j = 0; j < T2; ++j)  // new rows a query may not see
+    for (int64_t r = 0; r < R; ++r)
+      if (!vis[(r / G) * T2 + j]) st[(n + j) * rp + r] = kMask;
   lsum.resize(rp);
   for (int64_t rb = 0; rb < rp; rb += kLanes) {  // per row: max, p = exp(score - max) in place, sum of p
     Vec mx = Set1(kMask);
@@ -114,14 +94,22 @@ void Pair(const Args& a, int64_t kh, int64_t b, std::vector<float>& qt, std::vec
     }
     Store(lsum.data() + rb, sum);
   }
-  acc.assign(R * H, 0.0f);  // sum_s p[s, r] v_s per row, contiguous [R, H], in s order: each V row read once
-  for (int64_t s = 0; s < n; ++s)
-    Accumulate(vbase + (static_cast<int64_t>(table[s / Z]) * Z + s % Z) * H, st.data() + s * rp, R, H, acc.data());
-  for (int64_t j = 0; j < T2; ++j)
-    Accumulate(a.v_new + ((b * T2 + j) * a.kv_heads + kh) * H, st.data() + (n + j) * rp, R, H, acc.data());
+  for (int64_t r = 0; r < R; ++r) std::fill(a.out + qrow(r), a.out + qrow(r) + H, 0.0f);
+  for (int64_t s = 0; s < total; ++s) {  // out[r] += p[s, r] v_s in s order: each V row read once
+    const float* vr = key(vbase, a.v_new, s);
+    Vec vv[kMaxVec];
+    for (int64_t j = 0; j < nv; ++j) vv[j] = Load(vr + kLanes * j);
+    const float* ps = st.data() + s * rp;
+    for (int64_t r = 0; r < R; ++r) {
+      const Vec p = Set1(ps[r]);
+      float* orow = a.out + qrow(r);
+      for (int64_t j = 0; j < nv; ++j) Store(orow + kLanes * j, Fma(p, vv[j], Load(orow + kLanes * j)));
+    }
+  }
   for (int64_t r = 0; r < R; ++r) {
     const Vec l = Set1(lsum[r]);
-    for (int64_t j = 0; j < nv; ++j) Store(a.out + roff[r] + kLanes * j, Div(Load(acc.data() + r * H + kLanes * j), l));
+    float* orow = a.out + qrow(r);
+    for (int64_t j = 0; j < nv; ++j) Store(orow + kLanes * j, Div(Load(orow + kLanes * j), l));
   }
 }
 
@@ -151,10 +139,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   int64_t n = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), pairs));
   std::atomic<int64_t> next(0), pending(n - 1);
   auto work = [&a, &next, pairs] {
-    std::vector<float> qt, st, lsum, acc;
-    std::vector<int64_t> roff;
+    std::vector<float> qt, st, lsum;
     for (int64_t i = next.fetch_add(1); i < pairs; i = next.fetch_add(1)) {
-      Pair(a, i / a.batch, i % a.batch, qt, st, lsum, acc, roff);
+      Pair(a, i / a.batch, i % a.batch, qt, st, lsum);
     }
   };
   for (int64_t k = 1; k < n; ++k) {
