@@ -12,11 +12,9 @@ it decodes: tracing holds the GIL and compiling takes a core; a padded prefill s
 the shapes a workload uses get compiled:
 each XLA:CPU executable of a
 30-layer target holds ~35-75 MB of host memory (measured on SmolLM2-135M), which is what made a server with
-every shape compiled hold 9.4 GB.  Whenever the background queue runs empty, `release` drops the framework's own
-caches (what tracing and lowering left: ~4 MB a program).  With `on_demand`, `max_ready` caps the programs kept:
-after each background build the least recently used ones beyond it are dropped (the next release drops the
-framework's references to them), so a server's memory for programs is bounded by the cap, not by the shapes its
-load ever reached.
+every shape compiled hold 9.4 GB.  With `on_demand`, `max_ready` caps the programs kept: after each background
+build the least recently used ones beyond it are dropped (and `release` drops the framework's own references to
+them), so a server's memory for programs is bounded by the cap, not by the shapes its load ever reached.
 """
 
 from __future__ import annotations
@@ -52,10 +50,7 @@ class StepPrograms:
     def __init__(self, build: Callable[[StepShape], Callable], release: Callable[[], None] | None = None,
                  max_ready: int = 0):
         self._build = build
-        # drops the framework's caches whenever the background queue runs empty: what tracing and lowering left of
-        # the programs built, and the references that keep evicted programs alive
-        self._release = release
-        self._releasing = False
+        self._release = release  # after an eviction: drop the caches that still hold evicted programs
         self.max_ready = max_ready  # with on_demand: most programs kept ready (least recently used go; 0 = all)
         self.evictions = 0
         self.rebuilds = 0  # builds of shapes evicted before (a cap below the load's working set recompiles)
@@ -108,6 +103,8 @@ class StepPrograms:
             self._evicted.update(victims)
             self.evictions += len(victims)
         log.info("evicted %d step program(s) (cap %d): %s", len(victims), self.max_ready, victims)
+        if self._release is not None:
+            self._release()
 
     def prefetch(self, shapes) -> int:
         """Queue shapes (in order, skipping ready or queued ones) for the background thread; returns how many."""
@@ -146,10 +143,9 @@ class StepPrograms:
             return len(self._queue) + (self._building is not None)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until the background queue is empty, nothing is being built and the caches are released."""
+        """Block until the background queue is empty and nothing is being built."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and self._building is None and not self._releasing,
-                                     timeout)
+            return self._cv.wait_for(lambda: not self._queue and self._building is None, timeout)
 
     def close(self) -> None:
         """Drop queued shapes and wait for the one being built (a compile cannot be interrupted)."""
@@ -162,33 +158,14 @@ class StepPrograms:
             thread.join()
 
     def _worker(self) -> None:
-        released = False
         while True:
             with self._cv:
                 if self._closed or not self._queue:
                     self._building = None
                     self._cv.notify_all()
-                    if released or self._closed:
-                        self._thread = None  # a shape queued from now on starts a new worker
-                        return
-                    shape, self._releasing = None, True
-                else:
-                    shape = self._building = self._queue.popleft()
-            if shape is None:
-                # The queue ran empty: drop what the framework's caches keep of the programs (they are held here),
-                # then the compiler's temporaries, kept resident otherwise; shapes queued meanwhile are built
-                # before this worker ends.
-                try:
-                    if self._release is not None:
-                        self._release()
-                    release_freed_memory(collect=False)
-                finally:
-                    with self._cv:
-                        self._releasing = False
-                        self._cv.notify_all()
-                released = True
-                continue
-            released = False
+                    release_freed_memory(collect=False)  # the compiler's temporaries, kept resident otherwise
+                    return
+                shape = self._building = self._queue.popleft()
             try:
                 self.build_now(shape)
                 self._evict(keep=shape)
