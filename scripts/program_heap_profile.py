@@ -21,19 +21,10 @@ def child() -> None:
     """Build the program (persistent cache as configured), then load its bytes LOADS times and exit without freeing
     anything, so that heaptrack reports every loaded copy as still held."""
     from jax.experimental import serialize_executable
+    from program_memory_probe import decode_program  # this script's folder is on sys.path
 
-    from specjax.engine.engine import GREEDY
-    from specjax.engine.programs import StepShape
-    from specjax.llm import LLM
-
-    engine = LLM().engine
-    shape = StepShape("decode", 4, engine.k_options[-1], 8, GREEDY)
-    step, _ = engine._build_program(shape)
-    blob, in_tree, out_tree = serialize_executable.serialize(step)
-    text = step.as_text()
-    info = {"shape": str(shape), "serialized_mb": round(len(blob) / 1e6, 2), "hlo_chars": len(text),
-            "hlo_instructions": sum(1 for line in text.splitlines() if " = " in line),
-            "fusions": text.count(" fusion("), "loads": LOADS}
+    (blob, in_tree, out_tree), info = decode_program()
+    info["loads"] = LOADS
     print(json.dumps(info), flush=True)
     keep = [serialize_executable.deserialize_and_load(blob, in_tree, out_tree) for _ in range(LOADS)]
     assert len(keep) == LOADS

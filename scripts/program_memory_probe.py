@@ -52,14 +52,20 @@ def toy(res: dict) -> None:
         res[f"toy_{name}_hlo_chars"] = len(keep[-1].as_text())
 
 
-def main() -> None:
+def decode_program() -> tuple[tuple, dict]:
+    """The embedded default's decode step (batch 4, the largest K), serialized: ((blob, in_tree, out_tree), sizes)."""
     engine = LLM().engine
     shape = StepShape("decode", 4, engine.k_options[-1], 8, GREEDY)
     step, _ = engine._build_program(shape)
     blob, in_tree, out_tree = serialize_executable.serialize(step)
-    res = {"shape": str(shape), "serialized_mb": round(len(blob) / 1e6, 2),
-           "hlo_chars": len(step.as_text()), "fusions": step.as_text().count(" fusion(")}
-    del step
+    text = step.as_text()
+    return (blob, in_tree, out_tree), {
+        "shape": str(shape), "serialized_mb": round(len(blob) / 1e6, 2), "hlo_chars": len(text),
+        "hlo_instructions": sum(1 for line in text.splitlines() if " = " in line), "fusions": text.count(" fusion(")}
+
+
+def main() -> None:
+    (blob, in_tree, out_tree), res = decode_program()
     jax.clear_caches()
     loaded, deltas = [], []
     for _ in range(3):

@@ -9,6 +9,7 @@ layer per step.  Medians of ROUNDS interleaved runs, ms; JSON on stdout
 """
 
 import json
+import sys
 import time
 
 import jax
@@ -65,7 +66,7 @@ def main() -> None:
                 f(w, x).block_until_ready()
                 times[k].append(time.perf_counter() - t)
         res["ms"][m] = {k: round(1e3 * float(np.median(v)), 2) for k, v in times.items()}
-        print(m, res["ms"][m], file=__import__("sys").stderr, flush=True)
+        print(m, res["ms"][m], file=sys.stderr, flush=True)
     print(json.dumps(res, indent=1))
 
 

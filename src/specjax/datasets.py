@@ -135,17 +135,21 @@ def sharegpt_prompts(records: list[dict], source: str, max_prompt_chars: int) ->
     def user(turn: dict) -> bool:
         return turn.get("from") == "human" and 0 < len(turn.get("value", "")) <= max_prompt_chars
 
+    def gpt(conv: list, i: int) -> bool:
+        return len(conv) > i and conv[i].get("from") == "gpt"
+
     prompts = []
     for n, rec in enumerate(records):
         conv, rid = rec.get("conversations") or [], rec.get("id", n)
         if not conv or not user(conv[0]):
             continue
-        reply = [t.get("value") if t.get("from") == "gpt" else None for t in conv[1::2]]
         if source == "sharegpt":
-            prompts.append(Prompt(f"sharegpt/{rid}", source, [conv[0]["value"]], (reply[:1] or [None])[0] or None))
-        elif len(conv) > 2 and reply[0] is not None and user(conv[2]):
+            reference = conv[1].get("value") if gpt(conv, 1) else None
+            prompts.append(Prompt(f"sharegpt/{rid}", source, [conv[0]["value"]], reference or None))
+        elif gpt(conv, 1) and len(conv) > 2 and user(conv[2]):  # the first answer may be empty (stage_prompts.py)
+            reference = conv[3].get("value") if gpt(conv, 3) else None
             prompts.append(Prompt(f"sharegpt2/{rid}", source, [conv[0]["value"], conv[2]["value"]],
-                                  (reply[1:2] or [None])[0] or None, after=f"sharegpt/{rid}"))
+                                  reference or None, after=f"sharegpt/{rid}"))
     return prompts
 
 
