@@ -52,3 +52,34 @@ def test_freed_memory_stays_resident_until_released():
     assert kept > 300 * 2 ** 20, kept  # ~384 MiB touched and freed, still resident
     assert released == "True"
     assert after < 64 * 2 ** 20, after
+
+
+ZERO_PAGES_PROBE = """
+import jax, jax.numpy as jnp
+from specjax.hostmem import keep_freed_memory, release_zero_pages, resident_bytes
+assert keep_freed_memory()
+pools = [jnp.zeros((3, 2048, 16, 64), jnp.float32) for _ in range(8)]  # 8 x 24 MiB, filled by XLA
+write = jax.jit(lambda p: p.at[1, :4].set(1.0), donate_argnums=0).lower(pools[0]).compile()  # writes 4 pages
+jax.block_until_ready(pools)
+before = resident_bytes()
+released = release_zero_pages(pools)
+after = resident_bytes()
+pools[0] = jax.block_until_ready(write(pools[0]))  # in place
+regrown = resident_bytes() - after
+print(released, before - after, regrown, float(sum(jnp.abs(p).sum() for p in pools)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise")
+def test_zeroed_pools_give_their_pages_back_and_still_read_zeros():
+    """release_zero_pages drops the pages XLA's zero fill made resident; the arrays still read as zeros, and an
+    in-place write makes only the pages it touches resident again."""
+    env = {k: v for k, v in os.environ.items() if k != "SPECJAX_MALLOC_TUNING"}
+    out = subprocess.run([sys.executable, "-c", ZERO_PAGES_PROBE], capture_output=True, text=True, env=env,
+                         check=True).stdout.split()
+    released, dropped, regrown, total = int(out[0]), int(out[1]), int(out[2]), float(out[3])
+    pools = 8 * 3 * 2048 * 16 * 64 * 4
+    assert released > 0.99 * pools, (released, pools)
+    assert dropped > 0.9 * pools, (dropped, pools)
+    assert regrown < pools // 32, regrown  # 4 pages x 16 x 64 floats written: far less than one pool (24 MiB)
+    assert total == 4 * 16 * 64

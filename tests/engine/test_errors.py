@@ -17,6 +17,7 @@ from specjax.llm import LLM
 from specjax.model.loader import CheckpointError, load_model
 from specjax.sampling import SamplingError, SamplingParams
 from specjax.spec.proposer import DFlashProposer
+from specjax.spec.reference import reference_generate
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +184,19 @@ def test_cpu_default_kv_pool_is_a_byte_budget(target, monkeypatch):
     assert LLM(target=target, method="ar", engine_config=cfg).engine.config.pool_pages == 17
     pinned = EngineConfig(max_model_len=64, page_size=4, num_pages=25)
     assert LLM(target=target, method="ar", engine_config=pinned).engine.config.pool_pages == 25
+
+
+def test_kv_pool_pages_are_resident_only_once_written(target, drafter_dir):
+    """A CPU engine hands back the pages of its zero-filled pools (hostmem.release_zero_pages): nearly all of the
+    pool's bytes at start-up, and a request served after it still reads what it wrote (and sees zeros elsewhere)."""
+    cfg, w = load_drafter(drafter_dir, target.config)
+    ec = EngineConfig(max_model_len=64, page_size=16, num_pages=2048)
+    engine = LLMEngine(target.config, target.weights, DFlashProposer(cfg, 4), w, ec)
+    pools = sum(sum(d.values()) for part, d in engine.memory_bytes().items() if part in ("kv_pool", "drafter_state"))
+    assert engine.pool_bytes_released > 0.95 * pools, (engine.pool_bytes_released, pools)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    sid = engine.add_request([1, 2, 3, 4, 5], params)
+    while engine.has_unfinished():
+        engine.step()
+    dense, _ = reference_generate(target.weights, target.config, [1, 2, 3, 4, 5], params)  # no KV cache at all
+    assert engine.seqs[sid].output_ids == dense

@@ -63,7 +63,8 @@ def build_server(args):
                   + (f"; {later} more compile in the background, none on the engine thread" if later else "") + "]",
                   file=sys.stderr)
         release_freed_memory()  # compilation's temporaries: freed, but kept resident by the malloc tuning
-        print(memory_line(llm.engine.memory_bytes(), llm.engine.config, replica), file=sys.stderr)
+        print(memory_line(llm.engine.memory_bytes(), llm.engine.config, replica, llm.engine.pool_bytes_released > 0),
+              file=sys.stderr)
         services.append(EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft)),
                                       publisher=publisher))
     service = services[0] if len(services) == 1 else DataParallelService(services)
@@ -88,8 +89,9 @@ def replica_devices(data_parallel: int, tensor_parallel: int) -> list:
     return [devices[i * tensor_parallel:(i + 1) * tensor_parallel] for i in range(data_parallel)]
 
 
-def memory_line(memory: dict[str, dict[str, int]], cfg, replica: str = "") -> str:
-    """One start-up line: device bytes per part (per device when there are several) and the process RSS."""
+def memory_line(memory: dict[str, dict[str, int]], cfg, replica: str = "", pool_lazy: bool = False) -> str:
+    """One start-up line: device bytes per part (per device when there are several) and the process RSS.
+    `pool_lazy`: the pools' pages become resident only as they are written (hostmem.release_zero_pages)."""
     from specjax.hostmem import resident_bytes
 
     def gb(n: int) -> str:
@@ -99,7 +101,7 @@ def memory_line(memory: dict[str, dict[str, int]], cfg, replica: str = "") -> st
     for part, devices in memory.items():
         each = "" if len(devices) < 2 else " (" + ", ".join(f"{d} {gb(n)}" for d, n in devices.items()) + ")"
         parts.append(f"{part} {gb(sum(devices.values()))}{each}")
-    pool = f"{(cfg.pool_pages - 1) * cfg.page_size} tokens"
+    pool = f"{(cfg.pool_pages - 1) * cfg.page_size} tokens" + (", resident as written" if pool_lazy else "")
     return f"[memory{replica}: {', '.join(parts)} (KV pool: {pool}); process resident {gb(resident_bytes())}]"
 
 

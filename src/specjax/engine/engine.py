@@ -26,6 +26,7 @@ from specjax.engine.buckets import pick_bucket, pow2_buckets
 from specjax.engine.controller import AdaptiveK
 from specjax.engine.programs import StepPrograms, StepShape
 from specjax.engine.sequence import Sequence, Status
+from specjax.hostmem import release_zero_pages
 from specjax.kv.allocator import OutOfPages, PageAllocator
 from specjax.model.attention import reads_pages_in_place
 from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages
@@ -122,6 +123,8 @@ class LLMEngine:
                                                         tcfg.num_kv_heads, tcfg.head_dim, dtype), mesh, kv_spec())
         self.pstate = zeros_like_tree(lambda: self.proposer.init_state(config.pool_pages, config.page_size, dtype),
                                       mesh, PartitionSpec())
+        # the pools are zeros: only the pages a step writes need to be resident (hostmem.release_zero_pages)
+        self.pool_bytes_released = release_zero_pages((self.kv, self.pstate))
         self._inputs_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())  # host inputs
         # Step programs are built from these specs, never from the live arrays: a background build must not read
         # self.kv while a step donates it (the caches are replaced, not resized: the specs never change).
