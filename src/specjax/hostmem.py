@@ -81,7 +81,7 @@ def release_zero_pages(tree) -> int:
     leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
     jax.block_until_ready(leaves)  # the fill must be done before its pages go
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc = ctypes.CDLL("libc.so.6")
         ranges = private_anonymous_ranges()
     except OSError:
         return 0
