@@ -169,10 +169,13 @@ def soak(url: str, chat: dict, pid: int, seconds: float, clients: int) -> dict:
     samples.append((round(time.perf_counter() - t0, 1), rss_bytes(pid)))
     program_samples.append((samples[-1][0], programs()))
     after_first_minute = [r for t, r in samples if t >= 60]
+    under_load = [r for t, r in samples[:-1] if t >= 60]  # the last sample is taken once the clients have stopped
     return {"seconds": seconds, "clients": clients, "requests": counts, "rss_samples": samples,
             "step_program_samples": program_samples,
             "rss_growth_after_first_minute_bytes": (max(after_first_minute) - after_first_minute[0])
-            if after_first_minute else None}
+            if after_first_minute else None,
+            "rss_growth_after_first_minute_under_load_bytes": (max(under_load) - under_load[0])
+            if under_load else None}
 
 
 def main() -> int:
