@@ -6,15 +6,20 @@
 // accumulates the value rows, reading each K and V row once.  It returns the cache's share of a softmax that the
 // caller merges with the step's own rows (model/attention.py `paged_attention`):
 //   m[k, b, r] = max_s score,  l[k, b, r] = sum_s exp(score - m),  o[k, b, r, :] = sum_s exp(score - m) v_s
-// over the cached positions s < lengths[b] (m = kMask, l = 0, o = 0 when there are none).  Every query row is
-// computed on its own with the same order of operations whatever the number of rows or sequences in the call,
-// so the cache's share of a verification row is bit-identical to plain decoding's.
+// over the cached positions s < lengths[b] (m = kMask, l = 0, o = 0 when there are none).  A sequence's cached
+// positions are split into chunks of kChunk, the work items spread over the threads (a batch-1 step has as many
+// (KV head, sequence) pairs as KV heads, 3 for SmolLM2: too few to share between two threads evenly), and each
+// pair's chunks are merged in chunk order by the thread that finishes its last one.  Every query row is computed
+// on its own with the same order of operations whatever the number of rows or sequences in the call (the chunks
+// depend on the row's own sequence length only), so the cache's share of a verification row is bit-identical to
+// plain decoding's.
 //
 // Shapes: q [K, B, R, H] (R = query rows per KV head), k_pool / v_pool [K, P, Z, H], page_table [B, Pg] int32,
-// lengths [B] int32; H a multiple of 16 up to 256.  AVX-512F or AVX2 + FMA (simd.h).  (KV head, sequence) pairs are split over the XLA:CPU
-// intra-op thread pool.
+// lengths [B] int32; H a multiple of 16 up to 256.  AVX-512F or AVX2 + FMA (simd.h).  Work items are claimed from
+// the XLA:CPU intra-op thread pool's threads.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -38,25 +43,25 @@ struct Args {
   float scale;
 };
 
-// One (KV head, sequence) pair.  Scores are kept transposed, st[s, r] (rows padded to whole vectors of kLanes),
-// so that one vector holds kLanes query rows' scores for one cached position: a score is sum_h q[r, h] k[s, h]
-// accumulated in h order in its own lane, the same arithmetic for every row whatever R is.
-void Pair(const Args& a, int64_t kh, int64_t b, std::vector<float>& qt, std::vector<float>& st) {
+constexpr int64_t kChunk = 256;  // cached positions per work item: a pair's positions are split into such chunks
+
+// Where the items of one call keep their partial softmaxes until the pair's last chunk merges them.
+struct Parts {
+  int64_t chunks;                      // chunks per pair: ceil(max visible length / kChunk), at least 1
+  std::vector<float> o, m, l;          // [pair, chunk, R, H], [pair, chunk, R] x 2
+  std::vector<float> qt;               // [pair, H, rp]: each pair's q transposed and scaled
+  std::vector<std::atomic<int64_t>> left;  // chunks of each pair not finished yet
+};
+
+// The cache's share over cached positions [s0, s1) of one (KV head, sequence) pair: max, sum of p = exp(score -
+// max) and sum of p v per query row, into om / mm / lm.  Scores are kept transposed, st[s, r] (rows padded to
+// whole vectors of kLanes), so that one vector holds kLanes query rows' scores for one cached position: a score
+// is sum_h q[r, h] k[s, h] accumulated in h order in its own lane, the same arithmetic for every row whatever R is.
+void Chunk(const Args& a, int64_t kh, int64_t b, int64_t s0, int64_t s1, const float* qt, std::vector<float>& st,
+           float* om, float* mm, float* lm) {
   const int64_t H = a.head_dim, R = a.rows, Z = a.page_size, nv = H / kLanes, rp = (R + kLanes - 1) / kLanes * kLanes;
-  const int64_t n = std::min<int64_t>(std::max<int32_t>(a.lengths[b], 0), a.table_width * Z);
-  const float* q = a.q + (kh * a.batch + b) * R * H;
-  float* o = a.o + (kh * a.batch + b) * R * H;
-  float* m = a.m + kh * a.batch * R + b * R;
-  float* l = a.l + kh * a.batch * R + b * R;
-  std::fill(o, o + R * H, 0.0f);
-  if (n == 0) {
-    std::fill(m, m + R, kMask);
-    std::fill(l, l + R, 0.0f);
-    return;
-  }
-  qt.assign(H * rp, 0.0f);  // q transposed, [H, rp], scaled: scores come out scaled
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t h = 0; h < H; ++h) qt[h * rp + r] = q[r * H + h] * a.scale;
+  const int64_t n = s1 - s0;
+  std::fill(om, om + R * H, 0.0f);
   st.resize(n * rp);
   const int32_t* table = a.table + b * a.table_width;
   const float* kbase = a.k_pool + kh * a.pages * Z * H;
@@ -65,47 +70,76 @@ void Pair(const Args& a, int64_t kh, int64_t b, std::vector<float>& qt, std::vec
     return base + (static_cast<int64_t>(table[s / Z]) * Z + s % Z) * H;
   };
   constexpr int kS = 8;  // cached positions scored together: independent accumulators, one load of q per h
-  for (int64_t s0 = 0; s0 < n; s0 += kS) {
-    const int64_t cnt = n - s0 < kS ? n - s0 : kS;
+  for (int64_t i0 = 0; i0 < n; i0 += kS) {
+    const int64_t cnt = n - i0 < kS ? n - i0 : kS;
     const float* kr[kS];
-    for (int64_t i = 0; i < kS; ++i) kr[i] = row(kbase, s0 + (i < cnt ? i : 0));
+    for (int64_t i = 0; i < kS; ++i) kr[i] = row(kbase, s0 + i0 + (i < cnt ? i : 0));
     for (int64_t rb = 0; rb < rp; rb += kLanes) {
       Vec acc[kS];
       for (int i = 0; i < kS; ++i) acc[i] = Zero();
       for (int64_t h = 0; h < H; ++h) {
-        const Vec qv = Load(qt.data() + h * rp + rb);
+        const Vec qv = Load(qt + h * rp + rb);
         for (int i = 0; i < kS; ++i) acc[i] = Fma(Set1(kr[i][h]), qv, acc[i]);
       }
-      for (int64_t i = 0; i < cnt; ++i) Store(st.data() + (s0 + i) * rp + rb, acc[i]);
+      for (int64_t i = 0; i < cnt; ++i) Store(st.data() + (i0 + i) * rp + rb, acc[i]);
     }
   }
   for (int64_t rb = 0; rb < rp; rb += kLanes) {  // per row: max, p = exp(score - max) in place, sum of p
     Vec mx = Set1(kMask);
-    for (int64_t s = 0; s < n; ++s) mx = Max(mx, Load(st.data() + s * rp + rb));
+    for (int64_t i = 0; i < n; ++i) mx = Max(mx, Load(st.data() + i * rp + rb));
     Vec sum = Zero();
-    for (int64_t s = 0; s < n; ++s) {
-      const Vec p = Exp(Sub(Load(st.data() + s * rp + rb), mx));
-      Store(st.data() + s * rp + rb, p);
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec p = Exp(Sub(Load(st.data() + i * rp + rb), mx));
+      Store(st.data() + i * rp + rb, p);
       sum = Add(sum, p);
     }
     float mv[kLanes], lv[kLanes];
     Store(mv, mx);
     Store(lv, sum);
     for (int64_t r = rb; r < rb + kLanes && r < R; ++r) {
-      m[r] = mv[r - rb];
-      l[r] = lv[r - rb];
+      mm[r] = mv[r - rb];
+      lm[r] = lv[r - rb];
     }
   }
-  for (int64_t s = 0; s < n; ++s) {  // o[r] += p[s, r] v_s in s order: each cached V row read once
-    const float* vr = row(vbase, s);
+  for (int64_t i = 0; i < n; ++i) {  // o[r] += p[s, r] v_s in s order: each cached V row read once
+    const float* vr = row(vbase, s0 + i);
     Vec vv[kMaxVec];
     for (int64_t j = 0; j < nv; ++j) vv[j] = Load(vr + kLanes * j);
-    const float* ps = st.data() + s * rp;
+    const float* ps = st.data() + i * rp;
     for (int64_t r = 0; r < R; ++r) {
       const Vec p = Set1(ps[r]);
-      float* orow = o + r * H;
+      float* orow = om + r * H;
       for (int64_t j = 0; j < nv; ++j) Store(orow + kLanes * j, Fma(p, vv[j], Load(orow + kLanes * j)));
     }
+  }
+}
+
+// Merge a pair's chunk partials in chunk order into the outputs: m = max_c m_c, l = sum_c l_c e^(m_c - m),
+// o = sum_c o_c e^(m_c - m) (m = kMask, l = 0, o = 0 when the sequence has no cached rows).
+void Merge(const Args& a, const Parts& parts, int64_t pair, int64_t chunks) {
+  const int64_t H = a.head_dim, R = a.rows, nv = H / kLanes;
+  float* o = a.o + pair * R * H;
+  float* m = a.m + pair * R;
+  float* l = a.l + pair * R;
+  const float* om = parts.o.data() + pair * parts.chunks * R * H;
+  const float* mm = parts.m.data() + pair * parts.chunks * R;
+  const float* lm = parts.l.data() + pair * parts.chunks * R;
+  for (int64_t r = 0; r < R; ++r) {
+    float mx = kMask;
+    for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, mm[c * R + r]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < nv; ++j) Store(o + r * H + kLanes * j, Zero());
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float w = std::exp(mm[c * R + r] - mx);
+      sum += lm[c * R + r] * w;
+      const Vec wv = Set1(w);
+      for (int64_t j = 0; j < nv; ++j) {
+        float* dst = o + r * H + kLanes * j;
+        Store(dst, Fma(wv, Load(om + (c * R + r) * H + kLanes * j), Load(dst)));
+      }
+    }
+    m[r] = chunks ? mx : kMask;
+    l[r] = sum;
   }
 }
 
@@ -125,12 +159,47 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   }
   Args a{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), page_table.typed_data(), lengths.typed_data(),
          o->typed_data(), m->typed_data(), l->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], td[1], scale};
-  const int64_t pairs = a.kv_heads * a.batch;
-  int64_t n = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), pairs));
+  const int64_t pairs = a.kv_heads * a.batch, R = a.rows, H = a.head_dim;
+  std::vector<int64_t> visible(a.batch);  // cached rows each sequence attends to
+  int64_t longest = 0;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    visible[b] = std::min<int64_t>(std::max<int32_t>(a.lengths[b], 0), a.table_width * a.page_size);
+    longest = std::max(longest, visible[b]);
+  }
+  Parts parts;
+  parts.chunks = std::max<int64_t>(1, (longest + kChunk - 1) / kChunk);
+  parts.o.resize(pairs * parts.chunks * R * H);
+  parts.m.resize(pairs * parts.chunks * R);
+  parts.l.resize(pairs * parts.chunks * R);
+  parts.left = std::vector<std::atomic<int64_t>>(pairs);
+  std::vector<int64_t> first(pairs + 1, 0);  // work items: the chunks of pair i are first[i] .. first[i + 1) - 1
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t c = (visible[i % a.batch] + kChunk - 1) / kChunk;
+    parts.left[i].store(c, std::memory_order_relaxed);
+    first[i + 1] = first[i] + c;
+    if (c == 0) Merge(a, parts, i, 0);  // no cached rows: the empty share
+  }
+  const int64_t items = first[pairs], rp = (R + kLanes - 1) / kLanes * kLanes;
+  parts.qt.assign(pairs * H * rp, 0.0f);  // q transposed, [H, rp], scaled: scores come out scaled
+  for (int64_t i = 0; i < pairs; ++i)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < H; ++h) parts.qt[(i * H + h) * rp + r] = a.q[(i * R + r) * H + h] * a.scale;
+  int64_t n = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
   std::atomic<int64_t> next(0), pending(n - 1);
-  auto work = [&a, &next, pairs] {
-    std::vector<float> qt, st;
-    for (int64_t i = next.fetch_add(1); i < pairs; i = next.fetch_add(1)) Pair(a, i / a.batch, i % a.batch, qt, st);
+  auto work = [&a, &next, &parts, &first, &visible, items, R, H, rp] {
+    std::vector<float> st;
+    int64_t pair = 0;
+    for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
+      while (first[pair + 1] <= it) ++pair;  // items are claimed in increasing order
+      const int64_t c = it - first[pair], b = pair % a.batch;
+      const int64_t s0 = c * kChunk, s1 = std::min(visible[b], s0 + kChunk);
+      const int64_t slot = pair * parts.chunks + c;
+      Chunk(a, pair / a.batch, b, s0, s1, parts.qt.data() + pair * H * rp, st, parts.o.data() + slot * R * H,
+            parts.m.data() + slot * R, parts.l.data() + slot * R);
+      if (parts.left[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the pair's last chunk: merge it
+        Merge(a, parts, pair, first[pair + 1] - first[pair]);
+      }
+    }
   };
   for (int64_t k = 1; k < n; ++k) {
     pool.Schedule([&work, &pending] {
