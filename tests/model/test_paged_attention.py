@@ -17,8 +17,9 @@ def test_paged_equals_dense_on_random_ragged_layouts(seed, native):
     rng = np.random.default_rng(seed)
     b, n_heads, kv_heads, hd = 3, 6, 2, 32
     page_size = int(rng.integers(1, 6))
-    lens = rng.integers(1, 40 if seed < 3 else 400, size=b)  # tokens in each cache after this step (seeds 3-4: long
-    # enough for the kernel to split a sequence's cached rows into several chunks)
+    lens = rng.integers(1, 40, size=b)  # tokens already in each sequence's cache after this step
+    if seed >= 3:
+        lens[0] += 520  # long enough for the kernel to split the cached rows into chunks (of 256): three here
     new = np.minimum(rng.integers(1, 6, size=b), lens)  # the last `new` of them are this step's queries
     pages_per_seq = [-(-int(n) // page_size) for n in lens]
     num_pages = sum(pages_per_seq) + 4

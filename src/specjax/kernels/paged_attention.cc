@@ -138,7 +138,7 @@ void Merge(const Args& a, const Parts& parts, int64_t pair, int64_t chunks) {
         Store(dst, Fma(wv, Load(om + (c * R + r) * H + kLanes * j), Load(dst)));
       }
     }
-    m[r] = chunks ? mx : kMask;
+    m[r] = mx;  // kMask when there are no chunks
     l[r] = sum;
   }
 }
