@@ -11,29 +11,11 @@ from specjax.model.quant import linear
 MASK_VALUE = -1e30
 
 
-def fixed_order_sum(x: jax.Array, axis: int = -1) -> jax.Array:
-    """Sum over `axis` (kept, size 1) as a fixed sequence of elementwise adds of contiguous slices: the axis's odd
-    factor's slices added in order, then halves added pairwise.  Each result is the same expression of its own
-    inputs whatever the other axes' sizes, which XLA's reduce does not promise (how it is vectorised depends on
-    the whole shape): a row's norm is then bit-identical alone or among others (tests/model/test_quant.py)."""
-    axis %= x.ndim
-    n = x.shape[axis]
-    part = n & -n  # the largest power of two dividing n
-    s = jax.lax.slice_in_dim(x, 0, part, axis=axis)
-    for i in range(1, n // part):
-        s = s + jax.lax.slice_in_dim(x, i * part, (i + 1) * part, axis=axis)
-    while part > 1:
-        part //= 2
-        s = jax.lax.slice_in_dim(s, 0, part, axis=axis) + jax.lax.slice_in_dim(s, part, 2 * part, axis=axis)
-    return s
-
-
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax.Array:
     """RMSNorm over `axis` (`weight` broadcast against x), computed in float32 (HF semantics: normalise, cast,
-    then scale).  The mean of squares is a fixed-order sum, so a row's result does not depend on the rows beside
-    it."""
+    then scale)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(fixed_order_sum(xf * xf, axis) / xf.shape[axis] + eps)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
 
 
