@@ -4,6 +4,8 @@ feature cache.
     python scripts/slice_store.py --store data/regen-smollm2 --features runs/features-smollm2 \
         --num-sequences 2048 --out-store runs/prefix-store --out-features runs/prefix-features
     python scripts/slice_store.py --store data/regen-smollm2 --start 5884 --out-store runs/fresh-store
+    python scripts/slice_store.py --store runs/s41-store --drop-drawn DRAFTER/train_config.json \
+        --drawn-steps 859 --out-store runs/s42-store
 
 The slice is a copy (index lines with their offsets shifted, and token bytes).  A prefix (`--start 0`) with
 `--features` lets a run train on what a long `specjax cache-features` pass has finished so far: the cache view
@@ -19,6 +21,17 @@ import shutil
 
 from specjax.train.features import FeatureCache
 from specjax.train.store import TokenStore
+from specjax.train.trainer import SequenceBatches, TrainConfig
+
+
+def drawn_sequences(store: TokenStore, train_config: str, steps: int) -> set[int]:
+    """Store indices of the sequences a run with this train_config.json drew in its batches 0..steps-1."""
+    with open(train_config, encoding="utf-8") as fh:
+        cfg = TrainConfig(**json.load(fh)["train"])
+    batches = SequenceBatches(store, cfg)
+    if steps > batches.batches_per_epoch:
+        raise SystemExit(f"error: --drawn-steps {steps} is more than one epoch ({batches.batches_per_epoch} batches)")
+    return {i for step in range(steps) for i in batches.batch(step)[4]}
 
 
 def main() -> int:
@@ -30,8 +43,15 @@ def main() -> int:
     p.add_argument("--features", default=None, help="feature cache to view (a prefix only)")
     p.add_argument("--out-store", required=True)
     p.add_argument("--out-features", default=None)
+    p.add_argument("--drop-drawn", default=None, metavar="TRAIN_CONFIG",
+                   help="train_config.json of a run over --store: leave out what it drew in --drawn-steps batches")
+    p.add_argument("--drawn-steps", type=int, default=None)
     args = p.parse_args()
     store = TokenStore(args.store)
+    if (args.drop_drawn is None) != (args.drawn_steps is None):
+        raise SystemExit("error: --drop-drawn and --drawn-steps go together")
+    if args.drop_drawn is not None and args.features is not None:
+        raise SystemExit("error: --drop-drawn takes no --features (the slice is not a prefix)")
     if (args.features is None) != (args.out_features is None):
         raise SystemExit("error: --features and --out-features go together")
     if args.features is not None and args.start != 0:
@@ -48,14 +68,22 @@ def main() -> int:
             raise SystemExit(f"error: {d} exists")
     os.makedirs(args.out_store)
     shutil.copy(os.path.join(args.store, "meta.json"), args.out_store)
-    rows = store.index[args.start:args.start + n]
-    first, end = rows[0]["offset"], rows[-1]["offset"] + rows[-1]["length"]
-    with open(os.path.join(args.out_store, "index.jsonl"), "w", encoding="utf-8") as fh:
-        fh.writelines(json.dumps(dict(r, offset=r["offset"] - first)) + "\n" for r in rows)
+    picked = range(args.start, args.start + n)
+    if args.drop_drawn is not None:
+        drawn = drawn_sequences(store, args.drop_drawn, args.drawn_steps)
+        picked = [i for i in picked if i not in drawn]
+        n = len(picked)
+    size = store.dtype.itemsize
+    offset = 0
     with open(os.path.join(args.store, "tokens.bin"), "rb") as src, \
-            open(os.path.join(args.out_store, "tokens.bin"), "wb") as dst:
-        src.seek(first * store.dtype.itemsize)
-        dst.write(src.read((end - first) * store.dtype.itemsize))
+            open(os.path.join(args.out_store, "tokens.bin"), "wb") as dst, \
+            open(os.path.join(args.out_store, "index.jsonl"), "w", encoding="utf-8") as index:
+        for i in picked:
+            r = store.index[i]
+            src.seek(r["offset"] * size)
+            dst.write(src.read(r["length"] * size))
+            index.write(json.dumps(dict(r, offset=offset)) + "\n")
+            offset += r["length"]
     prefix = TokenStore(args.out_store)
     if cache is None:
         print(json.dumps({"sequences": n, "tokens": prefix.num_tokens, "store": args.out_store}))

@@ -18,9 +18,11 @@
 // lengths [B] int32; H a multiple of 16 up to 256.  AVX-512F or AVX2 + FMA (simd.h).  Work items are claimed from
 // the XLA:CPU intra-op thread pool's threads.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -48,20 +50,48 @@ constexpr int64_t kChunk = 256;  // cached positions per work item: a pair's pos
 // Where the items of one call keep their partial softmaxes until the pair's last chunk merges them.
 struct Parts {
   int64_t chunks;                      // chunks per pair: ceil(max visible length / kChunk), at least 1
-  std::vector<float> o, m, l;          // [pair, chunk, R, H], [pair, chunk, R] x 2
-  std::vector<float> qt;               // [pair, H, rp]: each pair's q transposed and scaled
+  Floats o, m, l;                      // [pair, chunk, R, H], [pair, chunk, R] x 2
+  Floats qt;                           // [pair, H, rp]: each pair's q transposed and scaled
   std::vector<std::atomic<int64_t>> left;  // chunks of each pair not finished yet
 };
+
+// One block of the value sum: rows r < RG (of the rows' p, p[s * rp + r]) x vectors j < VG (of H, from column c)
+// of o += p[s, r] v_s over the n cached rows in s order, the block's accumulators in registers (the V rows are read
+// from cache once per block instead of o's rows from memory once per position); each output element is still one
+// FMA per position in s order, so the sums are the same whatever the blocking.
+template <int RG, int VG>
+void PvBlock(const float* const* vrows, int64_t n, const float* p, int64_t rp, int64_t c, float* o, int64_t H) {
+  Vec acc[RG][VG];
+  for (int r = 0; r < RG; ++r)
+    for (int j = 0; j < VG; ++j) acc[r][j] = Zero();
+  for (int64_t i = 0; i < n; ++i) {
+    Vec vv[VG];
+    for (int j = 0; j < VG; ++j) vv[j] = Load(vrows[i] + c + kLanes * j);
+    for (int r = 0; r < RG; ++r) {
+      const Vec pv = Set1(p[i * rp + r]);
+      for (int j = 0; j < VG; ++j) acc[r][j] = Fma(pv, vv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int j = 0; j < VG; ++j) Store(o + r * H + c + kLanes * j, acc[r][j]);
+}
+
+constexpr int kRowGroup = 4, kVecGroup = 4;  // a PvBlock of up to 4 rows x 4 vectors: 16 accumulators
+using PvFn = void (*)(const float* const*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+template <int... I>
+constexpr std::array<PvFn, sizeof...(I)> PvTable(std::integer_sequence<int, I...>) {
+  return {&PvBlock<I / kVecGroup + 1, I % kVecGroup + 1>...};
+}
+constexpr auto kPvBlocks = PvTable(std::make_integer_sequence<int, kRowGroup * kVecGroup>());
 
 // The cache's share over cached positions [s0, s1) of one (KV head, sequence) pair: max, sum of p = exp(score -
 // max) and sum of p v per query row, into om / mm / lm.  Scores are kept transposed, st[s, r] (rows padded to
 // whole vectors of kLanes), so that one vector holds kLanes query rows' scores for one cached position: a score
 // is sum_h q[r, h] k[s, h] accumulated in h order in its own lane, the same arithmetic for every row whatever R is.
-void Chunk(const Args& a, int64_t kh, int64_t b, int64_t s0, int64_t s1, const float* qt, std::vector<float>& st,
+void Chunk(const Args& a, int64_t kh, int64_t b, int64_t s0, int64_t s1, const float* qt, Floats& st,
            float* om, float* mm, float* lm) {
   const int64_t H = a.head_dim, R = a.rows, Z = a.page_size, nv = H / kLanes, rp = (R + kLanes - 1) / kLanes * kLanes;
   const int64_t n = s1 - s0;
-  std::fill(om, om + R * H, 0.0f);
   st.resize(n * rp);
   const int32_t* table = a.table + b * a.table_width;
   const float* kbase = a.k_pool + kh * a.pages * Z * H;
@@ -101,15 +131,13 @@ void Chunk(const Args& a, int64_t kh, int64_t b, int64_t s0, int64_t s1, const f
       lm[r] = lv[r - rb];
     }
   }
-  for (int64_t i = 0; i < n; ++i) {  // o[r] += p[s, r] v_s in s order: each cached V row read once
-    const float* vr = row(vbase, s0 + i);
-    Vec vv[kMaxVec];
-    for (int64_t j = 0; j < nv; ++j) vv[j] = Load(vr + kLanes * j);
-    const float* ps = st.data() + i * rp;
-    for (int64_t r = 0; r < R; ++r) {
-      const Vec p = Set1(ps[r]);
-      float* orow = om + r * H;
-      for (int64_t j = 0; j < nv; ++j) Store(orow + kLanes * j, Fma(p, vv[j], Load(orow + kLanes * j)));
+  const float* vrows[kChunk];
+  for (int64_t i = 0; i < n; ++i) vrows[i] = row(vbase, s0 + i);
+  for (int64_t r0 = 0; r0 < R; r0 += kRowGroup) {  // o[r] += p[s, r] v_s in s order, a block of o in registers
+    for (int64_t j0 = 0; j0 < nv; j0 += kVecGroup) {
+      const int rg = R - r0 < kRowGroup ? static_cast<int>(R - r0) : kRowGroup;
+      const int vg = nv - j0 < kVecGroup ? static_cast<int>(nv - j0) : kVecGroup;
+      kPvBlocks[(rg - 1) * kVecGroup + vg - 1](vrows, n, st.data() + r0, rp, j0 * kLanes, om + r0 * H, H);
     }
   }
 }
@@ -187,7 +215,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   int64_t n = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
   std::atomic<int64_t> next(0), pending(n - 1);
   auto work = [&a, &next, &parts, &first, &visible, items, R, H, rp] {
-    std::vector<float> st;
+    Floats st;
     int64_t pair = 0;
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
       while (first[pair + 1] <= it) ++pair;  // items are claimed in increasing order

@@ -16,7 +16,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -59,31 +59,26 @@ inline Vec Dequant(const Weights& w, int64_t r, int64_t b, int j) {
   }
 }
 
-// RB rows x TB tokens; xt is token-major [TB, I] (row stride I), y is [O, M] (row stride M).  Each (row, token)
-// has one accumulator that takes the block's vectors in order: the same sums whatever TB and RB are.
-template <Kind K, int RB, int TB>
-inline void Tile(const Weights& w, int64_t r0, const float* xt, int64_t I, float* y, int64_t M) {
-  Vec acc[RB][TB];
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < TB; ++t) acc[r][t] = Zero();
+// One row x TB tokens; xt is token-major [TB, I] (row stride I), y is [O, M] (row stride M).  Each token has one
+// accumulator that takes the block's vectors in order: the same sums whatever TB is.  One row at a time: tiles of
+// 2-4 rows (x loaded once for them) measured 1.1-2.4x slower on Zen 4 (a Q8_0 or BF16 matrix at M = 1, a 1536-wide
+// Q4_1 one), and no faster anywhere (one core, every kind and M = 1, 2, 4).
+template <Kind K, int TB>
+inline void Tile(const Weights& w, int64_t r, const float* xt, int64_t I, float* y, int64_t M) {
+  Vec acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = Zero();
   for (int64_t b = 0; b < w.blocks; ++b) {
-    for (int r = 0; r < RB; ++r) {
-      for (int j = 0; j < kVecs; ++j) {
-        const Vec wv = Dequant<K>(w, r0 + r, b, j);
-        for (int t = 0; t < TB; ++t) acc[r][t] = Fma(wv, Load(xt + t * I + b * 32 + j * kLanes), acc[r][t]);
-      }
+    for (int j = 0; j < kVecs; ++j) {
+      const Vec wv = Dequant<K>(w, r, b, j);
+      for (int t = 0; t < TB; ++t) acc[t] = Fma(wv, Load(xt + t * I + b * 32 + j * kLanes), acc[t]);
     }
   }
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < TB; ++t) y[(r0 + r) * M + t] = Sum(acc[r][t]);
+  for (int t = 0; t < TB; ++t) y[r * M + t] = Sum(acc[t]);
 }
 
 template <Kind K, int TB>
 void RowsTB(const Weights& w, const float* xt, int64_t I, float* y, int64_t M, int64_t r0, int64_t r1) {
-  constexpr int RB = TB <= 2 ? 4 : 2;  // accumulators, weights and x vectors stay within the vector registers
-  int64_t r = r0;
-  for (; r + RB <= r1; r += RB) Tile<K, RB, TB>(w, r, xt, I, y, M);
-  for (; r < r1; ++r) Tile<K, 1, TB>(w, r, xt, I, y, M);
+  for (int64_t r = r0; r < r1; ++r) Tile<K, TB>(w, r, xt, I, y, M);
 }
 
 // Rows [r0, r1): blocks of 16 rows outer, token tiles of 4 inner, so a block's codes are read from memory once.
@@ -105,6 +100,54 @@ void Rows(const Weights& w, const float* xt, int64_t I, float* y, int64_t M, int
   }
 }
 
+// How one call's rows are shared between the threads: each thread owns a contiguous range of groups of kGroup
+// rows, (front, back) in one atomic word, and takes its own groups from the front, then what is left of the others'
+// ranges from their backs.  So a thread that starts late (a pool worker waking up: ~10 us of a ~70 us product on
+// the 2-core VM, which the caller spent spinning when each thread had a fixed half) or runs slow (a stalled vCPU)
+// leaves its rows to the others, and each thread still streams contiguous rows.  Held by every thread (shared_ptr):
+// a worker that wakes after the call returned finds every group taken and touches nothing else of the call's.
+struct Split {
+  Split(int64_t groups, int64_t n) : ranges(n), left(groups) {
+    for (int64_t k = 0; k < n; ++k)
+      ranges[k].fb.store(static_cast<uint64_t>(groups * (k + 1) / n) << 32 | static_cast<uint64_t>(groups * k / n));
+  }
+  // A group of thread k's range (its first left if front, else its last left) into *g; false when none is left.
+  bool Take(int64_t k, bool front, int64_t* g) {
+    std::atomic<uint64_t>& r = ranges[k].fb;
+    uint64_t v = r.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t f = v & 0xffffffffu, b = v >> 32;
+      if (f >= b) return false;
+      const uint64_t next = front ? (b << 32 | (f + 1)) : ((b - 1) << 32 | f);
+      if (r.compare_exchange_weak(v, next, std::memory_order_relaxed)) {
+        *g = static_cast<int64_t>(front ? f : b - 1);
+        return true;
+      }
+    }
+  }
+  struct alignas(64) Range {  // a cache line each: the threads' claims do not contend for one line
+    std::atomic<uint64_t> fb;
+  };
+  std::vector<Range> ranges;
+  alignas(64) std::atomic<int64_t> left;  // groups not finished yet: the caller returns when none is
+};
+
+constexpr int64_t kGroup = 16;  // rows per work item (Rows' row block)
+
+template <Kind K>
+void Work(Split& s, int64_t k, const Weights& w, const float* xt, int64_t I, float* y, int64_t M, int64_t O) {
+  const int64_t n = static_cast<int64_t>(s.ranges.size());
+  int64_t done = 0;
+  for (int64_t d = 0; d < n; ++d) {
+    int64_t g;
+    while (s.Take((k + d) % n, d == 0, &g)) {
+      Rows<K>(w, xt, I, y, M, g * kGroup, (g + 1) * kGroup < O ? (g + 1) * kGroup : O);
+      ++done;
+    }
+  }
+  if (done > 0) s.left.fetch_sub(done, std::memory_order_release);
+}
+
 template <Kind K>
 ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
   const int64_t O = y->dimensions()[0], M = y->dimensions()[1], I = w.blocks * 32;
@@ -112,8 +155,8 @@ ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, 
     return ffi::Error::InvalidArgument("specjax quant matmul: x must be [I, M] with I = 32 * blocks");
   }
   const float* xt = x.typed_data();
-  std::vector<float> scratch;
-  if (M > 1) {  // x [I, M] -> token-major [M, I] (at most 16 x I floats)
+  Floats scratch;
+  if (M > 1 || reinterpret_cast<uintptr_t>(xt) % 64 != 0) {  // x [I, M] -> token-major [M, I], line-aligned
     scratch.resize(I * M);
     for (int64_t i = 0; i < I; ++i)
       for (int64_t t = 0; t < M; ++t) scratch[t * I + i] = xt[i * M + t];
@@ -123,17 +166,12 @@ ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, 
   int64_t n = pool.num_threads();
   if (n < 1) n = 1;
   if (n > O / 64) n = O / 64 > 0 ? O / 64 : 1;
-  const int64_t per = ((O + n - 1) / n + 15) / 16 * 16;
-  std::atomic<int64_t> pending(n - 1);
+  auto split = std::make_shared<Split>((O + kGroup - 1) / kGroup, n);
   for (int64_t k = 1; k < n; ++k) {
-    const int64_t r0 = k * per < O ? k * per : O, r1 = (k + 1) * per < O ? (k + 1) * per : O;
-    pool.Schedule([=, &w, &pending] {
-      Rows<K>(w, xt, I, out, M, r0, r1);
-      pending.fetch_sub(1, std::memory_order_release);
-    });
+    pool.Schedule([split, k, w, xt, I, out, M, O] { Work<K>(*split, k, w, xt, I, out, M, O); });
   }
-  Rows<K>(w, xt, I, out, M, 0, per < O ? per : O);
-  while (pending.load(std::memory_order_acquire) > 0) Pause();
+  Work<K>(*split, 0, w, xt, I, out, M, O);
+  while (split->left.load(std::memory_order_acquire) > 0) Pause();
   return ffi::Error::Success();
 }
 
