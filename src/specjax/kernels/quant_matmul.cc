@@ -5,7 +5,8 @@
 // weights (a float32 x int8 product first copies the whole weight to float32), so a Q4_1 model is read as 4
 // bytes per weight instead of 0.625.  These kernels stream the blocks, rebuild each weight in registers with
 // the same float32 operations as specjax.model.gguf_file.dequantize (bit-identical weights; build with
-// -ffp-contract=off), and multiply it into up to 4 tokens at a time (AVX-512F or AVX2 + FMA: simd.h).  Only the
+// -ffp-contract=off; a Q4 block's 16 possible values once, then a lookup per weight, where that is faster), and
+// multiply it into up to 4 tokens at a time (AVX-512F or AVX2 + FMA: simd.h).  Only the
 // summation order differs from a float32 dot, and it is the same for every M: a token's result does not depend on
 // how many tokens share the call (verification and plain decoding round alike).
 //
@@ -41,21 +42,25 @@ constexpr int64_t CodeBytes() { return K == kBF16 ? 64 : K == kQ8_0 ? 32 : 16; }
 
 constexpr int kVecs = 32 / kLanes;  // vectors per block of 32 weights
 
-// Vector j (weights j * kLanes ..) of block b of row r.
+// Block b of row r as float32 weights: out[j] holds weights j * kLanes .. (j + 1) * kLanes - 1.
 template <Kind K>
-inline Vec Dequant(const Weights& w, int64_t r, int64_t b, int j) {
+inline void Dequant(const Weights& w, int64_t r, int64_t b, Vec* out) {
   const int64_t blk = r * w.blocks + b;
   const uint8_t* c = w.codes + blk * CodeBytes<K>();
-  if constexpr (K == kBF16) return BF16ToFloat(reinterpret_cast<const uint16_t*>(c) + j * kLanes);
-  const Vec d = Set1(w.scales[blk]);
-  if constexpr (K == kQ8_0) {
-    return Mul(ToFloat(I8ToI32(c + j * kLanes)), d);
+  if constexpr (K == kBF16) {
+    for (int j = 0; j < kVecs; ++j) out[j] = BF16ToFloat(reinterpret_cast<const uint16_t*>(c) + j * kLanes);
+  } else if constexpr (K == kQ8_0) {
+    const Vec d = Set1(w.scales[blk]);
+    for (int j = 0; j < kVecs; ++j) out[j] = Mul(ToFloat(I8ToI32(c + j * kLanes)), d);
   } else {  // a Q4 block: low nibbles are weights 0..15, high nibbles 16..31
+    const Q4Values values = K == kQ4_0 ? Q4Values::Centered(w.scales[blk])
+                                       : Q4Values::Affine(w.scales[blk], w.mins[blk]);
     constexpr int half = kVecs / 2;
-    const IVec v = U8ToI32(c + (j % half) * kLanes);
-    const Vec q = ToFloat(j < half ? LowNibble(v) : HighNibble(v));
-    if constexpr (K == kQ4_0) return Mul(Sub(q, Set1(8.0f)), d);  // (q - 8) * d
-    return Add(Mul(q, d), Set1(w.mins[blk]));  // q * d + m, rounded twice like the numpy dequantization
+    for (int j = 0; j < half; ++j) {
+      const IVec v = U8ToI32(c + j * kLanes);
+      out[j] = values.Low(v);
+      out[j + half] = values.High(v);
+    }
   }
 }
 
@@ -68,10 +73,10 @@ inline void Tile(const Weights& w, int64_t r, const float* xt, int64_t I, float*
   Vec acc[TB];
   for (int t = 0; t < TB; ++t) acc[t] = Zero();
   for (int64_t b = 0; b < w.blocks; ++b) {
-    for (int j = 0; j < kVecs; ++j) {
-      const Vec wv = Dequant<K>(w, r, b, j);
-      for (int t = 0; t < TB; ++t) acc[t] = Fma(wv, Load(xt + t * I + b * 32 + j * kLanes), acc[t]);
-    }
+    Vec wv[kVecs];
+    Dequant<K>(w, r, b, wv);
+    for (int j = 0; j < kVecs; ++j)
+      for (int t = 0; t < TB; ++t) acc[t] = Fma(wv[j], Load(xt + t * I + b * 32 + j * kLanes), acc[t]);
   }
   for (int t = 0; t < TB; ++t) y[r * M + t] = Sum(acc[t]);
 }
