@@ -18,6 +18,21 @@ import jax.numpy as jnp
 GREEDY, SAMPLE, SAMPLE_FILTERED = "greedy", "sample", "sample_filtered"
 
 
+def first_argmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """`jnp.argmax(x, axis)` as int32 (the first maximum; the first NaN if there is one) in two plain reductions.
+
+    XLA:CPU runs argmax as a variadic (value, index) reduce that it does not vectorise: ~0.9 ms for 4 rows of
+    SmolLM2's 49,152 logits on one Zen 4 core, against ~0.1 ms for a max and then the smallest index holding it.
+    """
+    n = x.shape[axis]
+    shape = [1] * x.ndim
+    shape[axis] = n
+    idx = jnp.arange(n, dtype=jnp.int32).reshape(shape)
+    first_max = jnp.min(jnp.where(x == jnp.max(x, axis=axis, keepdims=True), idx, n), axis=axis)
+    first_nan = jnp.min(jnp.where(jnp.isnan(x), idx, n), axis=axis)  # (XLA's fused max may skip NaNs)
+    return jnp.where(first_nan < n, first_nan, first_max)
+
+
 class SamplingError(ValueError):
     """Invalid sampling parameters."""
 
@@ -93,7 +108,7 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
 
     Rows with temperature 0 (or top_k 1) take the argmax; others draw from the filtered softmax.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(logits)
     if mode == GREEDY:
         return greedy
     t, k, p = (a[:, None] for a in (temperature, top_k, top_p))

@@ -20,7 +20,7 @@ from specjax.drafter.eagle3_loader import eagle3_config_for, init_eagle3
 from specjax.drafter.loader import drafter_config_for, init_drafter
 from specjax.engine.engine import LLMEngine
 from specjax.model.loader import load_hf_dir
-from specjax.sampling import SAMPLE, SAMPLE_FILTERED, SamplingParams
+from specjax.sampling import SAMPLE, SAMPLE_FILTERED, SamplingParams, first_argmax
 from specjax.spec.proposer import DFlashProposer, Eagle3Proposer, HostProposer, NgramProposer
 from specjax.spec.reference import full_forward
 from specjax.spec.verify import accept
@@ -85,6 +85,19 @@ def test_top_k_one_equals_greedy():
     _, toks = accept(logits, jnp.zeros((4, 0), jnp.int32), jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32),
                      jnp.full(4, 0.9), jnp.ones(4, jnp.int32), jnp.ones(4), jnp.arange(4), SAMPLE_FILTERED)
     np.testing.assert_array_equal(np.asarray(toks)[:, 0], np.asarray(logits).argmax(-1)[:, 0])
+
+
+def test_first_argmax_equals_numpy_argmax_with_ties_infinities_and_nan():
+    rng = np.random.default_rng(2)
+    x = rng.integers(-3, 4, size=(6, 5, 300)).astype(np.float32)  # many ties: the first maximum must win
+    x[0, 0] = -np.inf
+    x[1, 1, 7] = np.inf
+    x[1, 2, [9, 40]] = np.nan  # the first NaN wins, as in numpy and jnp.argmax
+    x[2, 3, :] = np.nan
+    for axis in (-1, 0, 1):
+        got = np.asarray(jax.jit(first_argmax, static_argnums=1)(jnp.asarray(x), axis))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, x.argmax(axis))
 
 
 class ArgmaxChain(HostProposer):

@@ -32,6 +32,7 @@ from specjax.model.attention import KVRows, pages_and_new_attention
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin, swiglu
 from specjax.model.quant import bf16_matrix, head_product, linear, take_rows
 from specjax.model.target import KVPages
+from specjax.sampling import first_argmax
 
 
 @jax.tree_util.register_dataclass
@@ -185,5 +186,5 @@ def propose_tokens(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, emb
     """Greedy drafts [B, K] (target ids): argmax of `draft_scores`."""
     scores = draft_scores(weights, cfg, dkv, embed, vocab_rows, bonus, context_lens, page_table, num_draft_tokens,
                           block_size, kernel)
-    idx = jnp.argmax(scores, axis=0).astype(jnp.int32).reshape(bonus.shape[0], num_draft_tokens)
+    idx = first_argmax(scores, axis=0).reshape(bonus.shape[0], num_draft_tokens)
     return to_target_ids(weights, idx)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from specjax.model.attention import pages_and_new_attention
 from specjax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from specjax.sampling import first_argmax
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def finish_layer(w: Eagle3Weights, cfg: Eagle3Config, attn_out, residual):
 
 def draft_logits_to_target(w: Eagle3Weights, normed):
     """Greedy draft token in TARGET ids: argmax over the draft vocabulary, then d2t."""
-    idx = jnp.argmax(jnp.einsum("...d,dv->...v", normed, w.lm_head, preferred_element_type=jnp.float32), axis=-1)
+    idx = first_argmax(jnp.einsum("...d,dv->...v", normed, w.lm_head, preferred_element_type=jnp.float32))
     return (idx + w.d2t[idx] if w.d2t is not None else idx).astype(jnp.int32)
 
 
