@@ -76,7 +76,8 @@ void PvBlock(const float* const* vrows, int64_t n, const float* p, int64_t rp, i
     for (int j = 0; j < VG; ++j) Store(o + r * H + c + kLanes * j, acc[r][j]);
 }
 
-constexpr int kRowGroup = 4, kVecGroup = 4;  // a PvBlock of up to 4 rows x 4 vectors: 16 accumulators
+// A PvBlock's rows x vectors: 16 accumulators in AVX-512's 32 registers, 8 in AVX2's 16.
+constexpr int kRowGroup = kLanes == 16 ? 4 : 2, kVecGroup = 4;
 using PvFn = void (*)(const float* const*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 template <int... I>
 constexpr std::array<PvFn, sizeof...(I)> PvTable(std::integer_sequence<int, I...>) {
