@@ -66,13 +66,15 @@ def main() -> int:
     for d in (args.out_store, args.out_features):
         if d is not None and os.path.exists(d):
             raise SystemExit(f"error: {d} exists")
-    os.makedirs(args.out_store)
-    shutil.copy(os.path.join(args.store, "meta.json"), args.out_store)
     picked = range(args.start, args.start + n)
     if args.drop_drawn is not None:
         drawn = drawn_sequences(store, args.drop_drawn, args.drawn_steps)
         picked = [i for i in picked if i not in drawn]
         n = len(picked)
+        if n == 0:
+            raise SystemExit(f"error: the run drew every sequence of {args.store} in {args.drawn_steps} batches")
+    os.makedirs(args.out_store)
+    shutil.copy(os.path.join(args.store, "meta.json"), args.out_store)
     size = store.dtype.itemsize
     offset = 0
     with open(os.path.join(args.store, "tokens.bin"), "rb") as src, \

@@ -54,7 +54,7 @@ inline Vec ScalePow2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^
 
 // The float32 weights of a Q4 block's 4-bit codes (lanes of zero-extended code bytes): q * d + m (Q4_1) or
 // (q - 8) * d (Q4_0), rounded as written there (numpy's dequantization).  Here the 16 values a code can stand for
-// are computed once per block and each code looks its value up (vpermps reads a lane's low 4 bits): 10-15% faster
+// are computed once per block and each code looks its value up (vpermps reads a lane's low 4 bits): 8-15% faster
 // products than rebuilding each weight (one core, Zen 4, M = 1-4), and the same weights bit for bit.
 class Q4Values {
  public:
