@@ -82,10 +82,12 @@ def test_weights_and_kv_pages_are_split_and_layers_cost_two_all_reduces(results,
         replicated = vocab if hf.vocab_size % tp else 0  # a vocabulary that does not divide stays whole
         assert len(weights) == tp and max(weights.values()) < (total - replicated) / tp * 1.1 + replicated
         # Megatron: one all-reduce after attention and one after the MLP per target layer (+1 for the
-        # vocab-parallel embedding lookup, +1 for the drafter's); the logits are gathered (target and drafter
-        # heads); nothing moves activations inside the layers, and the commit is local.
+        # vocab-parallel embedding lookup, +1 for the drafter's); the logits stay vocab-sharded: each greedy argmax
+        # (target and drafter heads) reduces a max and a first index over the shards (sampling.first_argmax: two
+        # all-reduces of a few scalars, where jnp.argmax gathered the logits); nothing moves activations inside
+        # the layers, and the commit is local.
         c = r["decode_collectives"]
-        assert 2 * layers <= c.get("all-reduce", 0) <= 2 * layers + 2, c
+        assert 2 * layers <= c.get("all-reduce", 0) <= 2 * layers + 6, c
         assert c.get("all-gather", 0) <= 4 and not c.get("all-to-all") and not c.get("collective-permute"), c
         assert not r["commit_collectives"]
 
