@@ -86,10 +86,11 @@ void RowsTB(const Weights& w, const float* xt, int64_t I, float* y, int64_t M, i
   for (int64_t r = r0; r < r1; ++r) Tile<K, TB>(w, r, xt, I, y, M);
 }
 
-// Rows [r0, r1): blocks of 16 rows outer, token tiles of 4 inner, so a block's codes are read from memory once.
+constexpr int64_t kRowBlock = 16;  // rows whose codes one token tile after another reads: a thread's work item
+
+// Rows [r0, r1): blocks of kRowBlock rows outer, token tiles of 4 inner, so a block's codes are read from memory once.
 template <Kind K>
 void Rows(const Weights& w, const float* xt, int64_t I, float* y, int64_t M, int64_t r0, int64_t r1) {
-  constexpr int64_t kRowBlock = 16;
   for (int64_t b = r0; b < r1; b += kRowBlock) {
     const int64_t e = b + kRowBlock < r1 ? b + kRowBlock : r1;
     for (int64_t t0 = 0; t0 < M; t0 += 4) {
@@ -105,7 +106,7 @@ void Rows(const Weights& w, const float* xt, int64_t I, float* y, int64_t M, int
   }
 }
 
-// How one call's rows are shared between the threads: each thread owns a contiguous range of groups of kGroup
+// How one call's rows are shared between the threads: each thread owns a contiguous range of groups of kRowBlock
 // rows, (front, back) in one atomic word, and takes its own groups from the front, then what is left of the others'
 // ranges from their backs.  So a thread that starts late (a pool worker waking up: ~10 us of a ~70 us product on
 // the 2-core VM, which the caller spent spinning when each thread had a fixed half) or runs slow (a stalled vCPU)
@@ -137,8 +138,6 @@ struct Split {
   alignas(64) std::atomic<int64_t> left;  // groups not finished yet: the caller returns when none is
 };
 
-constexpr int64_t kGroup = 16;  // rows per work item (Rows' row block)
-
 template <Kind K>
 void Work(Split& s, int64_t k, const Weights& w, const float* xt, int64_t I, float* y, int64_t M, int64_t O) {
   const int64_t n = static_cast<int64_t>(s.ranges.size());
@@ -146,7 +145,7 @@ void Work(Split& s, int64_t k, const Weights& w, const float* xt, int64_t I, flo
   for (int64_t d = 0; d < n; ++d) {
     int64_t g;
     while (s.Take((k + d) % n, d == 0, &g)) {
-      Rows<K>(w, xt, I, y, M, g * kGroup, (g + 1) * kGroup < O ? (g + 1) * kGroup : O);
+      Rows<K>(w, xt, I, y, M, g * kRowBlock, (g + 1) * kRowBlock < O ? (g + 1) * kRowBlock : O);
       ++done;
     }
   }
@@ -171,7 +170,7 @@ ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, 
   int64_t n = pool.num_threads();
   if (n < 1) n = 1;
   if (n > O / 64) n = O / 64 > 0 ? O / 64 : 1;
-  auto split = std::make_shared<Split>((O + kGroup - 1) / kGroup, n);
+  auto split = std::make_shared<Split>((O + kRowBlock - 1) / kRowBlock, n);
   for (int64_t k = 1; k < n; ++k) {
     pool.Schedule([split, k, w, xt, I, out, M, O] { Work<K>(*split, k, w, xt, I, out, M, O); });
   }
