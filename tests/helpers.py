@@ -140,8 +140,8 @@ def kernels_expected() -> bool:
             and os.environ.get("SPECJAX_KERNELS", "1") != "0")
 
 
-def native_attention_kernel() -> str:
-    """The registered target of the in-place paged-attention CPU kernel; skips where it cannot run, fails where it
+def native_kernels():
+    """specjax's registered CPU kernels (kernels.QuantKernels); skips where they cannot run, fails where they
     should (a kernel that stops compiling must fail, not skip)."""
     from specjax.kernels import quant_kernels
 
@@ -150,7 +150,12 @@ def native_attention_kernel() -> str:
         if kernels_expected():
             pytest.fail("the CPU kernels did not build on a CPU with AVX-512F or AVX2 + FMA and a C++ compiler")
         pytest.skip("this machine has neither AVX-512F nor AVX2 + FMA, or no C++ compiler")
-    return k.attention
+    return k
+
+
+def native_attention_kernel() -> str:
+    """The registered target of the in-place paged-attention CPU kernel (see `native_kernels`)."""
+    return native_kernels().attention
 
 
 def write_gguf_from_hf(hf_dir: str, out_path: str, quant: str | None = None) -> None:

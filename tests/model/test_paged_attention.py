@@ -1,13 +1,16 @@
 """Paged attention equals dense attention on random ragged layouts (shuffled pages, padding, -1 slots), on XLA's
-gathered path and on the in-place CPU kernel (kernels/paged_attention.cc)."""
+gathered path and on the in-place CPU kernel (kernels/paged_attention.cc); the K/V write kernel
+(kernels/kv_write.cc) equals XLA's scatter."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.model.attention import dense_attention, gather_pages, paged_attention, write_pages
-from tests.helpers import native_attention_kernel
+from specjax.engine import runner
+from specjax.model.attention import KVRows, dense_attention, gather_pages, paged_attention, write_pages, write_rows
+from specjax.model.target import KVPages
+from tests.helpers import native_attention_kernel, native_kernels
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["xla", "kernel"])
@@ -79,3 +82,28 @@ def test_write_pages_drops_negative_slots_and_gather_orders_logically():
     got = np.asarray(gather_pages(pool, jnp.asarray([[2, 1]]))).reshape(-1)
     np.testing.assert_array_equal(got, [0.0, 1.0, 3.0, 0.0])  # page 2 (slots 4, 5) then page 1 (slots 2, 3)
     assert jax.numpy.issubdtype(pool.dtype, jnp.floating)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kv_write_kernel_equals_xla_scatter_in_place(dtype):
+    kernel = native_kernels().kv_write
+    rng = np.random.default_rng(0)
+    layers, kv_heads, pages, page_size, hd, b, t = 3, 2, 5, 4, 16, 2, 3
+    base = KVPages(*(tuple(jnp.asarray(rng.standard_normal((kv_heads, pages, page_size, hd)), dtype)
+                           for _ in range(layers)) for _ in range(2)))
+    rows = KVRows(*(tuple(jnp.asarray(rng.standard_normal((b, t, kv_heads, hd)), jnp.float32) for _ in range(layers))
+                    for _ in range(2)))
+    # padding (-1), past the pool's end (pages * page_size: dropped, as scatter's mode="drop"), page 0's slot 0
+    slots = jnp.asarray([[5, -1, 19], [0, pages * page_size, 7]], jnp.int32)
+    want = write_rows(base, slots, rows)
+    assert not np.array_equal(np.asarray(want.k[0], np.float32), np.asarray(base.k[0], np.float32))
+    got = write_rows(base, slots, rows, kernel)
+    # donated to the engine's commit, every pool is written where it lies: no copy of the pool
+    kv = jax.tree.map(jnp.copy, base)
+    where = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(kv)]
+    committed, _ = runner.commit(kv, None, slots, rows, slots, None, kernel=kernel)
+    assert [a.unsafe_buffer_pointer() for a in jax.tree.leaves(committed)] == where
+    for out in (got, committed):
+        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(out)):
+            assert g.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(g, np.float32))

@@ -83,7 +83,8 @@ def verify_steps(tcfg, tweights, qs, context_len: int, batch: int = 1, page_size
         def step():
             out = runner.decode_step(tweights, state["kv"], pweights, state["p"], inputs, sampling, tcfg=tcfg,
                                      proposer=proposer, num_draft=k, mode=GREEDY)
-            state["kv"], state["p"] = runner.commit(state["kv"], state["p"], inputs.slots, out[3], out[5], out[4])
+            state["kv"], state["p"] = runner.commit(state["kv"], state["p"], inputs.slots, out[3], out[5], out[4],
+                                                    kernel=tweights.kv_write_kernel)
             return out[0]
 
         return step

@@ -269,7 +269,8 @@ class LLMEngine:
                                             num_draft=shape.n, mode=shape.mode).compile()
             rows, prows, pslots = step.out_info[3:]
             slots = args[0].slots
-        commit = runner.commit.lower(state[1], state[3], slots, rows, pslots, prows).compile()
+        commit = runner.commit.lower(state[1], state[3], slots, rows, pslots, prows,
+                                     kernel=self.tweights.kv_write_kernel).compile()
         return step, commit
 
     def _run(self, shape: StepShape, program, *args):

@@ -88,7 +88,8 @@ def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch
             jnp.where(kept, inputs.slots, -1))
 
 
-@partial(jax.jit, donate_argnames=("kv", "pstate"))
-def commit(kv, pstate, slots, rows, proposer_slots, proposer_rows):
-    """Write a step's new K/V rows into the target and proposer pools, in place."""
-    return write_rows(kv, slots, rows), write_rows(pstate, proposer_slots, proposer_rows)
+@partial(jax.jit, donate_argnames=("kv", "pstate"), static_argnames=("kernel",))
+def commit(kv, pstate, slots, rows, proposer_slots, proposer_rows, *, kernel: str | None = None):
+    """Write a step's new K/V rows into the target and proposer pools, in place (`kernel`:
+    TargetWeights.kv_write_kernel, every pool in one call)."""
+    return write_rows(kv, slots, rows, kernel), write_rows(pstate, proposer_slots, proposer_rows, kernel)

@@ -27,6 +27,8 @@ QUANT_SOURCE = "quant_matmul.cc"
 QUANT_HANDLERS = {"Q4_0": "SpecjaxQ4_0", "Q4_1": "SpecjaxQ4_1", "Q8_0": "SpecjaxQ8_0", "BF16": "SpecjaxBF16"}
 ATTENTION_SOURCE = "paged_attention.cc"
 ATTENTION_HANDLER = "SpecjaxPagedAttention"
+KV_WRITE_SOURCE = "kv_write.cc"
+KV_WRITE_HANDLER = "SpecjaxWriteRows"
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 
 
@@ -37,10 +39,12 @@ class KernelUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class QuantKernels:
     """Registered FFI targets (CPU platform): one per block format (GGUF Q4_0, Q4_1, Q8_0, and BF16) for
-    model/quant.py, and `attention`, paged attention over the KV pool in place (model/attention.py)."""
+    model/quant.py, `attention`, paged attention over the KV pool in place, and `kv_write`, a step's K/V rows
+    written into every pool in one call (model/attention.py)."""
 
     targets: dict[str, str]
     attention: str
+    kv_write: str
 
 
 def cache_dir() -> str:
@@ -125,8 +129,9 @@ def _load_quant_kernels() -> QuantKernels:
             jax.ffi.register_ffi_target(names[key], jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         return names
 
-    targets = register(QUANT_SOURCE, QUANT_HANDLERS)
-    return QuantKernels(targets, register(ATTENTION_SOURCE, {"paged_attention": ATTENTION_HANDLER})["paged_attention"])
+    return QuantKernels(register(QUANT_SOURCE, QUANT_HANDLERS),
+                        register(ATTENTION_SOURCE, {"paged_attention": ATTENTION_HANDLER})["paged_attention"],
+                        register(KV_WRITE_SOURCE, {"kv_write": KV_WRITE_HANDLER})["kv_write"])
 
 
 @functools.lru_cache(maxsize=None)

@@ -77,6 +77,8 @@ class TargetWeights:
     head_blocks: QuantMatrix | None = None  # the LM head's rows as GGUF blocks for `logits` (model/quant.py)
     # registered FFI target of the in-place paged-attention kernel (kernels/paged_attention.cc), set by the loader
     attention_kernel: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # ... and of the kernel that writes a step's K/V rows into every pool in one call (kernels/kv_write.cc)
+    kv_write_kernel: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def vocab_rows(self) -> jax.Array:
