@@ -274,13 +274,12 @@ class LLMEngine:
         return step, commit
 
     def _run(self, shape: StepShape, program, *args):
-        """Run a step program on host (numpy) inputs, placed here in one transfer each, and commit its rows;
-        -> the step's outputs."""
+        """Run a step program on host (numpy) inputs and commit its rows; -> the step's outputs.  On one device
+        the executables take the numpy arrays as they are (placed on their device: ~15 us for a step's ten, where
+        `jax.device_put` of the same pytree took ~220 us)."""
         step, commit = program
         if self._inputs_sharding is not None:
             args = jax.tree.map(lambda a: to_global(a, self._inputs_sharding), args)
-        else:
-            args = jax.device_put(args, self.kv.k[0].device)
         out = step(self.tweights, self.kv, self.pweights, self.pstate, *args)
         if shape.kind == "prefill":
             self.kv, self.pstate = commit(self.kv, self.pstate, args[0].slots, out[1], args[0].slots, out[2])
