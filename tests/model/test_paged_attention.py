@@ -107,3 +107,30 @@ def test_kv_write_kernel_equals_xla_scatter_in_place(dtype):
         for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(out)):
             assert g.dtype == dtype
             np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(g, np.float32))
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_attention_kernel_rows_do_not_depend_on_the_other_rows(hd):
+    """A query row's share of the cache is the same, bit for bit, whether the call has 3 rows per KV head (a
+    decoding step of SmolLM2) or 12 (a verification of 4 tokens): the kernel's row determinism."""
+    kernel = native_attention_kernel()
+    rng = np.random.default_rng(1)
+    kv_heads, page_size, lens = 2, 16, np.asarray([300, 37], np.int32)  # 300: two chunks of 256
+    pages = -(-int(lens.max()) // page_size)
+    table = np.stack([np.arange(1, pages + 1), np.arange(pages + 1, 2 * pages + 1)]).astype(np.int32)
+    k_pool = jnp.asarray(rng.normal(size=(kv_heads, 2 * pages + 1, page_size, hd)), jnp.float32)
+    v_pool = jnp.asarray(rng.normal(size=(kv_heads, 2 * pages + 1, page_size, hd)), jnp.float32)
+    q = rng.normal(size=(kv_heads, 2, 12, hd)).astype(np.float32)
+
+    def share(rows):
+        shapes = (jax.ShapeDtypeStruct((kv_heads, 2, rows, hd), jnp.float32),
+                  jax.ShapeDtypeStruct((kv_heads, 2, rows), jnp.float32),
+                  jax.ShapeDtypeStruct((kv_heads, 2, rows), jnp.float32))
+        out = jax.ffi.ffi_call(kernel, shapes)(jnp.asarray(q[:, :, :rows]), k_pool, v_pool, jnp.asarray(table),
+                                               jnp.asarray(lens), scale=np.float32(hd ** -0.5))
+        return [np.asarray(x) for x in out]
+
+    few, many = share(3), share(12)
+    for a, b in zip(few, many):
+        np.testing.assert_array_equal(a, b[:, :, :3])
+    assert np.isfinite(many[0]).all() and (many[2] > 0).all()

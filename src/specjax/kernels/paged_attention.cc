@@ -51,16 +51,16 @@ constexpr int64_t kChunk = 256;  // cached positions per work item: a pair's pos
 struct Parts {
   int64_t chunks;                      // chunks per pair: ceil(max visible length / kChunk), at least 1
   Floats o, m, l;                      // [pair, chunk, R, H], [pair, chunk, R] x 2
-  Floats qt;                           // [pair, H, rp]: each pair's q transposed and scaled
+  Floats qs;                           // [pair, R, H]: each pair's q rows, scaled
   std::vector<std::atomic<int64_t>> left;  // chunks of each pair not finished yet
 };
 
-// One block of the value sum: rows r < RG (of the rows' p, p[s * rp + r]) x vectors j < VG (of H, from column c)
-// of o += p[s, r] v_s over the n cached rows in s order, the block's accumulators in registers (the V rows are read
+// One block of the value sum: rows r < RG (of the rows' p, p[r * ps + i]) x vectors j < VG (of H, from column c)
+// of o += p[r, s] v_s over the n cached rows in s order, the block's accumulators in registers (the V rows are read
 // from cache once per block instead of o's rows from memory once per position); each output element is still one
 // FMA per position in s order, so the sums are the same whatever the blocking.
 template <int RG, int VG>
-void PvBlock(const float* const* vrows, int64_t n, const float* p, int64_t rp, int64_t c, float* o, int64_t H) {
+void PvBlock(const float* const* vrows, int64_t n, const float* p, int64_t ps, int64_t c, float* o, int64_t H) {
   Vec acc[RG][VG];
   for (int r = 0; r < RG; ++r)
     for (int j = 0; j < VG; ++j) acc[r][j] = Zero();
@@ -68,7 +68,7 @@ void PvBlock(const float* const* vrows, int64_t n, const float* p, int64_t rp, i
     Vec vv[VG];
     for (int j = 0; j < VG; ++j) vv[j] = Load(vrows[i] + c + kLanes * j);
     for (int r = 0; r < RG; ++r) {
-      const Vec pv = Set1(p[i * rp + r]);
+      const Vec pv = Set1(p[r * ps + i]);
       for (int j = 0; j < VG; ++j) acc[r][j] = Fma(pv, vv[j], acc[r][j]);
     }
   }
@@ -86,59 +86,61 @@ constexpr std::array<PvFn, sizeof...(I)> PvTable(std::integer_sequence<int, I...
 constexpr auto kPvBlocks = PvTable(std::make_integer_sequence<int, kRowGroup * kVecGroup>());
 
 // The cache's share over cached positions [s0, s1) of one (KV head, sequence) pair: max, sum of p = exp(score -
-// max) and sum of p v per query row, into om / mm / lm.  Scores are kept transposed, st[s, r] (rows padded to
-// whole vectors of kLanes), so that one vector holds kLanes query rows' scores for one cached position: a score
-// is sum_h q[r, h] k[s, h] accumulated in h order in its own lane, the same arithmetic for every row whatever R is.
-void Chunk(const Args& a, int64_t kh, int64_t b, int64_t s0, int64_t s1, const float* qt, Floats& st,
+// max) and sum of p v per query row, into om / mm / lm.  qs holds the pair's R query rows, scaled.  A score is the
+// dot product of a query row and a K row: kLanes-lane products accumulated over H in order, then the lanes summed
+// by SumEach's tree, kLanes cached positions at a time (a decoding step has 3 query rows per KV head on SmolLM2,
+// so vectors over positions fill the lanes where vectors over rows used 3 of 16).  Scores are kept per row,
+// st[r, i], a row's positions padded to whole vectors with kMask (their p is 0).  Every row's arithmetic is the
+// same whatever R is.
+void Chunk(const Args& a, int64_t kh, int64_t b, int64_t s0, int64_t s1, const float* qs, Floats& st,
            float* om, float* mm, float* lm) {
-  const int64_t H = a.head_dim, R = a.rows, Z = a.page_size, nv = H / kLanes, rp = (R + kLanes - 1) / kLanes * kLanes;
-  const int64_t n = s1 - s0;
-  st.resize(n * rp);
+  const int64_t H = a.head_dim, R = a.rows, Z = a.page_size, nv = H / kLanes;
+  const int64_t n = s1 - s0, ns = (n + kLanes - 1) / kLanes * kLanes;
+  st.resize(R * ns);
   const int32_t* table = a.table + b * a.table_width;
   const float* kbase = a.k_pool + kh * a.pages * Z * H;
   const float* vbase = a.v_pool + kh * a.pages * Z * H;
   auto row = [&](const float* base, int64_t s) {
     return base + (static_cast<int64_t>(table[s / Z]) * Z + s % Z) * H;
   };
-  constexpr int kS = 8;  // cached positions scored together: independent accumulators, one load of q per h
-  for (int64_t i0 = 0; i0 < n; i0 += kS) {
-    const int64_t cnt = n - i0 < kS ? n - i0 : kS;
-    const float* kr[kS];
-    for (int64_t i = 0; i < kS; ++i) kr[i] = row(kbase, s0 + i0 + (i < cnt ? i : 0));
-    for (int64_t rb = 0; rb < rp; rb += kLanes) {
-      Vec acc[kS];
-      for (int i = 0; i < kS; ++i) acc[i] = Zero();
-      for (int64_t h = 0; h < H; ++h) {
-        const Vec qv = Load(qt + h * rp + rb);
-        for (int i = 0; i < kS; ++i) acc[i] = Fma(Set1(kr[i][h]), qv, acc[i]);
+  for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+    const float* kr[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) kr[i] = row(kbase, s0 + i0 + (i0 + i < n ? i : 0));
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = qs + r * H;
+      Vec acc[kLanes];
+      const Vec q0 = Load(qr);
+      for (int i = 0; i < kLanes; ++i) acc[i] = Mul(q0, Load(kr[i]));
+      for (int64_t j = 1; j < nv; ++j) {
+        const Vec qv = Load(qr + kLanes * j);
+        for (int i = 0; i < kLanes; ++i) acc[i] = Fma(qv, Load(kr[i] + kLanes * j), acc[i]);
       }
-      for (int64_t i = 0; i < cnt; ++i) Store(st.data() + (i0 + i) * rp + rb, acc[i]);
+      Store(st.data() + r * ns + i0, SumEach(acc));
     }
   }
-  for (int64_t rb = 0; rb < rp; rb += kLanes) {  // per row: max, p = exp(score - max) in place, sum of p
+  for (int64_t r = 0; r < R; ++r) {  // per row: max, p = exp(score - max) in place, sum of p
+    float* sr = st.data() + r * ns;
+    for (int64_t i = n; i < ns; ++i) sr[i] = kMask;
     Vec mx = Set1(kMask);
-    for (int64_t i = 0; i < n; ++i) mx = Max(mx, Load(st.data() + i * rp + rb));
+    for (int64_t i0 = 0; i0 < ns; i0 += kLanes) mx = Max(mx, Load(sr + i0));
+    const float m = MaxOf(mx);
+    const Vec mv = Set1(m);
     Vec sum = Zero();
-    for (int64_t i = 0; i < n; ++i) {
-      const Vec p = Exp(Sub(Load(st.data() + i * rp + rb), mx));
-      Store(st.data() + i * rp + rb, p);
+    for (int64_t i0 = 0; i0 < ns; i0 += kLanes) {
+      const Vec p = Exp(Sub(Load(sr + i0), mv));
+      Store(sr + i0, p);
       sum = Add(sum, p);
     }
-    float mv[kLanes], lv[kLanes];
-    Store(mv, mx);
-    Store(lv, sum);
-    for (int64_t r = rb; r < rb + kLanes && r < R; ++r) {
-      mm[r] = mv[r - rb];
-      lm[r] = lv[r - rb];
-    }
+    mm[r] = m;
+    lm[r] = Sum(sum);
   }
   const float* vrows[kChunk];
   for (int64_t i = 0; i < n; ++i) vrows[i] = row(vbase, s0 + i);
-  for (int64_t r0 = 0; r0 < R; r0 += kRowGroup) {  // o[r] += p[s, r] v_s in s order, a block of o in registers
+  for (int64_t r0 = 0; r0 < R; r0 += kRowGroup) {  // o[r] += p[r, s] v_s in s order, a block of o in registers
     for (int64_t j0 = 0; j0 < nv; j0 += kVecGroup) {
       const int rg = R - r0 < kRowGroup ? static_cast<int>(R - r0) : kRowGroup;
       const int vg = nv - j0 < kVecGroup ? static_cast<int>(nv - j0) : kVecGroup;
-      kPvBlocks[(rg - 1) * kVecGroup + vg - 1](vrows, n, st.data() + r0, rp, j0 * kLanes, om + r0 * H, H);
+      kPvBlocks[(rg - 1) * kVecGroup + vg - 1](vrows, n, st.data() + r0 * ns, ns, j0 * kLanes, om + r0 * H, H);
     }
   }
 }
@@ -208,14 +210,12 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     first[i + 1] = first[i] + c;
     if (c == 0) Merge(a, parts, i, 0);  // no cached rows: the empty share
   }
-  const int64_t items = first[pairs], rp = (R + kLanes - 1) / kLanes * kLanes;
-  parts.qt.assign(pairs * H * rp, 0.0f);  // q transposed, [H, rp], scaled: scores come out scaled
-  for (int64_t i = 0; i < pairs; ++i)
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t h = 0; h < H; ++h) parts.qt[(i * H + h) * rp + r] = a.q[(i * R + r) * H + h] * a.scale;
+  const int64_t items = first[pairs];
+  parts.qs.resize(pairs * R * H);  // q scaled: scores come out scaled
+  for (int64_t i = 0; i < pairs * R * H; ++i) parts.qs[i] = a.q[i] * a.scale;
   int64_t n = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
   std::atomic<int64_t> next(0), pending(n - 1);
-  auto work = [&a, &next, &parts, &first, &visible, items, R, H, rp] {
+  auto work = [&a, &next, &parts, &first, &visible, items, R, H] {
     Floats st;
     int64_t pair = 0;
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
@@ -223,7 +223,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       const int64_t c = it - first[pair], b = pair % a.batch;
       const int64_t s0 = c * kChunk, s1 = std::min(visible[b], s0 + kChunk);
       const int64_t slot = pair * parts.chunks + c;
-      Chunk(a, pair / a.batch, b, s0, s1, parts.qt.data() + pair * H * rp, st, parts.o.data() + slot * R * H,
+      Chunk(a, pair / a.batch, b, s0, s1, parts.qs.data() + pair * R * H, st, parts.o.data() + slot * R * H,
             parts.m.data() + slot * R, parts.l.data() + slot * R);
       if (parts.left[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the pair's last chunk: merge it
         Merge(a, parts, pair, first[pair + 1] - first[pair]);

@@ -44,6 +44,22 @@ inline Vec BF16ToFloat(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
+// Lane i of the result = the sum of v[i]'s lanes, for kLanes vectors: a transposing tree of adds (pairs of lanes
+// within 128-bit quarters, then quarters), the same tree for every i, so each sum's order depends on nothing else.
+inline Vec SumEach(const Vec* v) {
+  Vec a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // [x0+x2, y0+y2, x1+x3, y1+y3] per quarter, x = v[2i], y = v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // [v0, v1, v2, v3] of 4 consecutive vectors per quarter, partial over quarters
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // quarters 0 + 2 and 1 + 3 of two such
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+inline float MaxOf(Vec v) { return _mm512_reduce_max_ps(v); }
+
 // The pieces of Exp (below) that differ between the instruction sets.
 using Mask = __mmask16;
 inline Vec Fnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, rounded once
@@ -96,6 +112,22 @@ inline IVec HighNibble(IVec v) { return _mm256_srli_epi32(v, 4); }
 inline Vec ToFloat(IVec v) { return _mm256_cvtepi32_ps(v); }
 inline Vec BF16ToFloat(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// Lane i of the result = the sum of v[i]'s lanes, for kLanes vectors (the same transposing tree for every i).
+inline Vec SumEach(const Vec* v) {
+  Vec a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+inline float MaxOf(Vec v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
 using Mask = __m256;  // all-ones lanes where true
