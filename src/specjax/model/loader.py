@@ -428,7 +428,7 @@ def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kern
         model = load_gguf(path, dtype, mesh, quant_kernels)
     else:
         raise CheckpointError(f"model path does not exist: {path}")
-    if quant_kernels and mesh is None and dtype == jnp.float32:  # paged attention and K/V writes in place, either format
+    if quant_kernels and mesh is None and dtype == jnp.float32:  # attention and K/V writes in place, either format
         from specjax.kernels import quant_kernels as built_kernels
 
         kernels = built_kernels()
