@@ -6,6 +6,8 @@ feature cache.
     python scripts/slice_store.py --store data/regen-smollm2 --start 5884 --out-store runs/fresh-store
     python scripts/slice_store.py --store runs/s41-store --drop-drawn DRAFTER/train_config.json \
         --drawn-steps 859 --out-store runs/s42-store
+    python scripts/slice_store.py --store runs/s42-store --drop-drawn A/train_config.json --drawn-steps 530 \
+        --drop-drawn B/train_config.json --drawn-steps 211 --out-store runs/s43-store   # what two runs drew
 
 The slice is a copy (index lines with their offsets shifted, and token bytes).  A prefix (`--start 0`) with
 `--features` lets a run train on what a long `specjax cache-features` pass has finished so far: the cache view
@@ -43,14 +45,15 @@ def main() -> int:
     p.add_argument("--features", default=None, help="feature cache to view (a prefix only)")
     p.add_argument("--out-store", required=True)
     p.add_argument("--out-features", default=None)
-    p.add_argument("--drop-drawn", default=None, metavar="TRAIN_CONFIG",
-                   help="train_config.json of a run over --store: leave out what it drew in --drawn-steps batches")
-    p.add_argument("--drawn-steps", type=int, default=None)
+    p.add_argument("--drop-drawn", action="append", default=[], metavar="TRAIN_CONFIG",
+                   help="train_config.json of a run over --store: leave out what it drew in --drawn-steps batches "
+                        "(repeat both for several runs)")
+    p.add_argument("--drawn-steps", action="append", type=int, default=[])
     args = p.parse_args()
     store = TokenStore(args.store)
-    if (args.drop_drawn is None) != (args.drawn_steps is None):
-        raise SystemExit("error: --drop-drawn and --drawn-steps go together")
-    if args.drop_drawn is not None and args.features is not None:
+    if len(args.drop_drawn) != len(args.drawn_steps):
+        raise SystemExit("error: --drop-drawn and --drawn-steps go together, one of each per run")
+    if args.drop_drawn and args.features is not None:
         raise SystemExit("error: --drop-drawn takes no --features (the slice is not a prefix)")
     if (args.features is None) != (args.out_features is None):
         raise SystemExit("error: --features and --out-features go together")
@@ -67,12 +70,12 @@ def main() -> int:
         if d is not None and os.path.exists(d):
             raise SystemExit(f"error: {d} exists")
     picked = range(args.start, args.start + n)
-    if args.drop_drawn is not None:
-        drawn = drawn_sequences(store, args.drop_drawn, args.drawn_steps)
+    if args.drop_drawn:
+        drawn = set().union(*(drawn_sequences(store, c, k) for c, k in zip(args.drop_drawn, args.drawn_steps)))
         picked = [i for i in picked if i not in drawn]
         n = len(picked)
         if n == 0:
-            raise SystemExit(f"error: the run drew every sequence of {args.store} in {args.drawn_steps} batches")
+            raise SystemExit(f"error: the runs drew every sequence of {args.store}")
     os.makedirs(args.out_store)
     shutil.copy(os.path.join(args.store, "meta.json"), args.out_store)
     size = store.dtype.itemsize
