@@ -2,10 +2,10 @@
 of the KV commit program alone: the per-step costs `specjax analyze kflat` does not see (the host's work, the
 default 1 GiB KV pool, the separate commit).
 
-    python scripts/engine_step_times.py [--method ar|dflash] [--k 3]
-    PYTHONPATH=/path/to/other/tree/src python scripts/engine_step_times.py     # another revision
+    python scripts/engine_step_times.py [--method ar|dflash] [--k K]
 
-Prints the median / p10 / p90 of steps, and the commit program's median with XLA's scatter and with the kernel.
+Prints the p10 / median / p90 of the decode steps, and the commit program's median with XLA's scatters and with
+the kernel (kernels/kv_write.cc).
 """
 
 import argparse
@@ -26,9 +26,9 @@ PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold h
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--method", default="ar")
-    p.add_argument("--k", type=int, default=3, help="drafts per step (dflash)")
+    p.add_argument("--k", type=int, default=None, help="drafts per step (dflash; default: the engine's)")
     args = p.parse_args()
-    config = EngineConfig(max_model_len=4096, num_draft_tokens=args.k) if args.method != "ar" else None
+    config = EngineConfig(max_model_len=4096, num_draft_tokens=args.k) if args.k else None
     llm = LLM(method=args.method, engine_config=config)
     eng = llm.engine
     prompt = llm.encode(PROMPT)
@@ -43,22 +43,21 @@ def main() -> None:
         return run(shape, program, *a)
 
     eng._run = capture
-    steps = []
+    decode = []
     for _ in range(3):
         sid = eng.add_request(prompt, params)
         while not eng.seqs[sid].is_finished:
             t0 = time.perf_counter()
             eng.step()
-            steps.append(time.perf_counter() - t0)
-    decode = sorted(steps)[:-3]  # the three prefills are the slowest steps
+            if eng.last_decode:  # not the prefill
+                decode.append(time.perf_counter() - t0)
+    decode.sort()
     q = [decode[int(len(decode) * f)] * 1e3 for f in (0.1, 0.5, 0.9)]
     print(f"{args.method}: {len(decode)} decode steps, ms p10 / median / p90 {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f}")
     (step, _), a = captured["decode"]
     out = step(eng.tweights, eng.kv, eng.pweights, eng.pstate, *a)
-    kernels = [None] + [k for k in [getattr(eng.tweights, "kv_write_kernel", None)] if k]  # kernel: session 43 on
-    for kernel in kernels:
-        extra = {"kernel": kernel} if kernel else {}
-        commit = runner.commit.lower(eng.kv, eng.pstate, a[0].slots, out[3], out[5], out[4], **extra).compile()
+    for kernel in (None, eng.tweights.kv_write_kernel):
+        commit = runner.commit.lower(eng.kv, eng.pstate, a[0].slots, out[3], out[5], out[4], kernel=kernel).compile()
         times = []
         for _ in range(200):
             t0 = time.perf_counter()

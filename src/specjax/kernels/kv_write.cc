@@ -39,7 +39,9 @@ ffi::Error WriteRows(ffi::Buffer<ffi::S32> slots, ffi::RemainingArgs args, ffi::
     const int64_t heads = pd[0], capacity = pd[1] * pd[2], row_bytes = pd[3] * (pool->size_bytes() /
                                                                                  pool->element_count());
     auto* dst = static_cast<uint8_t*>((*out)->untyped_data());
-    if (dst != pool->untyped_data()) std::memcpy(dst, pool->untyped_data(), pool->size_bytes());  // not aliased
+    if (dst != pool->untyped_data()) {  // the caller's input_output_aliases make each result its pool's buffer
+      return ffi::Error::InvalidArgument("specjax kv write: each pool must be aliased to its result");
+    }
     const auto* src = static_cast<const uint8_t*>(rows->untyped_data());
     for (int64_t r = 0; r < n; ++r) {
       if (slot[r] < 0 || slot[r] >= capacity) continue;

@@ -52,20 +52,16 @@ def write_rows(pools, slots: jax.Array, rows, kernel: str | None = None):
     one call, in place when the pools are donated; otherwise one XLA scatter per pool (`write_pages`)."""
     if rows is None:
         return pools
-    names = [f.name for f in dataclasses.fields(pools)]
     if kernel is None:
-        return type(pools)(**{name: tuple(write_pages(p, slots, r) for p, r in zip(getattr(pools, name),
-                                                                                     getattr(rows, name)))
-                              for name in names})
-    flat_pools = [p for name in names for p in getattr(pools, name)]
-    flat_rows = [r.reshape(-1, *r.shape[-2:]).astype(p.dtype)
-                 for p, r in zip(flat_pools, (r for name in names for r in getattr(rows, name)))]
-    out = jax.ffi.ffi_call(kernel, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat_pools],
-                           input_output_aliases={1 + i: i for i in range(len(flat_pools))})(
-        slots.reshape(-1).astype(jnp.int32), *flat_pools, *flat_rows)
-    sizes = [len(getattr(pools, name)) for name in names]
-    starts = np.cumsum([0] + sizes)
-    return type(pools)(**{name: tuple(out[starts[i]:starts[i + 1]]) for i, name in enumerate(names)})
+        return type(pools)(**{f.name: tuple(write_pages(p, slots, r) for p, r in zip(getattr(pools, f.name),
+                                                                                       getattr(rows, f.name)))
+                              for f in dataclasses.fields(pools)})
+    flat, tree = jax.tree.flatten(pools)
+    flat_rows = [r.reshape(-1, *r.shape[-2:]).astype(p.dtype) for p, r in zip(flat, jax.tree.leaves(rows), strict=True)]
+    out = jax.ffi.ffi_call(kernel, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat],
+                           input_output_aliases={1 + i: i for i in range(len(flat))})(
+        slots.reshape(-1).astype(jnp.int32), *flat, *flat_rows)
+    return jax.tree.unflatten(tree, out)
 
 
 def gather_pages(pool: jax.Array, page_table: jax.Array) -> jax.Array:
