@@ -134,3 +134,65 @@ def test_attention_kernel_rows_do_not_depend_on_the_other_rows(hd):
     for a, b in zip(few, many):
         np.testing.assert_array_equal(a, b[:, :, :3])
     assert np.isfinite(many[0]).all() and (many[2] > 0).all()
+
+
+CONCURRENT_PROGRAMS = """
+import sys, threading
+import jax, jax.numpy as jnp, numpy as np
+from specjax.kernels import quant_kernels
+from specjax.model.attention import pages_and_new_attention
+
+kernel = quant_kernels().attention
+rng = np.random.default_rng(0)
+pools = [jnp.asarray(rng.standard_normal((3, 64, 16, 64), np.float32)) for _ in range(2)]
+table, lens = jnp.arange(64, dtype=jnp.int32)[None], jnp.array([900], jnp.int32)
+w = jnp.asarray(rng.standard_normal((640, 640), np.float32) / 20)
+big = jnp.asarray(rng.standard_normal((256, 640), np.float32))
+
+
+@jax.jit
+def step(x, big, w, kp, vp):  # an Eigen product (finished on a pool thread), then the kernel, four times
+    for _ in range(4):
+        x = jnp.tanh(x @ w) + jnp.tanh(big @ w)[:1] * 0.01
+        q = x[:, :576].reshape(1, 1, 9, 64)
+        o = pages_and_new_attention(q, kp, vp, table, lens, q[:, :, :3], q[:, :, 3:6], jnp.ones((1, 1, 1), bool),
+                                    0.125, kernel)
+        x = x + jnp.pad(o.reshape(1, 576), ((0, 0), (0, 64))) * 0.01
+    return x
+
+
+def run(x, out, i):
+    for _ in range(int(sys.argv[1])):
+        x = step(x, big, w, *pools).block_until_ready()
+    out[i] = np.asarray(x)
+
+
+x0 = jnp.asarray(rng.standard_normal((1, 640), np.float32))
+alone = [None]
+run(x0, alone, 0)
+out = [None] * 3
+threads = [threading.Thread(target=run, args=(x0, out, i)) for i in range(3)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert all(np.array_equal(o, alone[0]) for o in out), "a concurrent program's attention differs from a lone one's"
+print("ok")
+"""
+
+
+def test_attention_kernel_programs_run_concurrently_without_deadlock():
+    """Three threads run programs whose kernel call follows an Eigen product, so it runs on an XLA:CPU pool thread;
+    a kernel that waited for the helper task it queued deadlocked here within a few steps (every pool thread
+    spinning for a task queued behind another's), which froze a CI run.  Run in a subprocess: a deadlock fails
+    the test instead of freezing the suite's worker."""
+    import subprocess
+    import sys
+
+    native_kernels()
+    try:
+        done = subprocess.run([sys.executable, "-c", CONCURRENT_PROGRAMS, "100"], capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("programs calling the attention kernel at once deadlocked (no result in 120 s)")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -174,6 +175,35 @@ void Merge(const Args& a, const Parts& parts, int64_t pair, int64_t chunks) {
   }
 }
 
+// One call's shared state: its items (the chunks of pair i are first[i] .. first[i + 1] - 1), claimed in order
+// from `next` by the caller and the pool threads helping it.
+struct Call {
+  Args a;
+  Parts parts;
+  std::vector<int64_t> first, visible;  // visible: cached rows each sequence attends to
+  int64_t items = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> unmerged{0};  // pairs with chunks whose merge is not done: the caller returns at 0
+
+  void Work() {
+    Floats st;
+    const int64_t R = a.rows, H = a.head_dim;
+    int64_t pair = 0;
+    for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
+      while (first[pair + 1] <= it) ++pair;  // items are claimed in increasing order
+      const int64_t c = it - first[pair], b = pair % a.batch;
+      const int64_t s0 = c * kChunk, s1 = std::min(visible[b], s0 + kChunk);
+      const int64_t slot = pair * parts.chunks + c;
+      Chunk(a, pair / a.batch, b, s0, s1, parts.qs.data() + pair * R * H, st, parts.o.data() + slot * R * H,
+            parts.m.data() + slot * R, parts.l.data() + slot * R);
+      if (parts.left[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the pair's last chunk: merge it
+        Merge(a, parts, pair, first[pair + 1] - first[pair]);
+        unmerged.fetch_sub(1, std::memory_order_release);
+      }
+    }
+  }
+};
+
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
                           ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> page_table,
                           ffi::Buffer<ffi::S32> lengths, float scale, ffi::ResultBuffer<ffi::F32> o,
@@ -197,47 +227,40 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     visible[b] = std::min<int64_t>(std::max<int32_t>(a.lengths[b], 0), a.table_width * a.page_size);
     longest = std::max(longest, visible[b]);
   }
-  Parts parts;
+  // Everything a helper thread touches lives in `c`, held by the helpers (shared_ptr), so the caller returns as
+  // soon as every pair is merged and never waits for a helper to start: a helper still queued when the call ends
+  // (its pool threads busy, e.g. in another program's call of this kernel) finds no item left and touches nothing
+  // else.  Waiting for the helpers themselves deadlocked two programs running at once, each spinning on a pool
+  // thread for a helper queued behind the other (tests/model/test_paged_attention.py, concurrent programs).
+  auto c = std::make_shared<Call>();
+  c->a = a;
+  Parts& parts = c->parts;
   parts.chunks = std::max<int64_t>(1, (longest + kChunk - 1) / kChunk);
   parts.o.resize(pairs * parts.chunks * R * H);
   parts.m.resize(pairs * parts.chunks * R);
   parts.l.resize(pairs * parts.chunks * R);
   parts.left = std::vector<std::atomic<int64_t>>(pairs);
-  std::vector<int64_t> first(pairs + 1, 0);  // work items: the chunks of pair i are first[i] .. first[i + 1) - 1
+  c->first.assign(pairs + 1, 0);
+  int64_t unmerged = 0;
   for (int64_t i = 0; i < pairs; ++i) {
-    const int64_t c = (visible[i % a.batch] + kChunk - 1) / kChunk;
-    parts.left[i].store(c, std::memory_order_relaxed);
-    first[i + 1] = first[i] + c;
-    if (c == 0) Merge(a, parts, i, 0);  // no cached rows: the empty share
+    const int64_t chunks = (visible[i % a.batch] + kChunk - 1) / kChunk;
+    parts.left[i].store(chunks, std::memory_order_relaxed);
+    c->first[i + 1] = c->first[i] + chunks;
+    if (chunks == 0) {
+      Merge(a, parts, i, 0);  // no cached rows: the empty share
+    } else {
+      ++unmerged;
+    }
   }
-  const int64_t items = first[pairs];
+  c->visible = std::move(visible);
+  c->items = c->first[pairs];
+  c->unmerged.store(unmerged, std::memory_order_relaxed);
   parts.qs.resize(pairs * R * H);  // q scaled: scores come out scaled
   for (int64_t i = 0; i < pairs * R * H; ++i) parts.qs[i] = a.q[i] * a.scale;
-  int64_t n = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
-  std::atomic<int64_t> next(0), pending(n - 1);
-  auto work = [&a, &next, &parts, &first, &visible, items, R, H] {
-    Floats st;
-    int64_t pair = 0;
-    for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
-      while (first[pair + 1] <= it) ++pair;  // items are claimed in increasing order
-      const int64_t c = it - first[pair], b = pair % a.batch;
-      const int64_t s0 = c * kChunk, s1 = std::min(visible[b], s0 + kChunk);
-      const int64_t slot = pair * parts.chunks + c;
-      Chunk(a, pair / a.batch, b, s0, s1, parts.qs.data() + pair * R * H, st, parts.o.data() + slot * R * H,
-            parts.m.data() + slot * R, parts.l.data() + slot * R);
-      if (parts.left[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the pair's last chunk: merge it
-        Merge(a, parts, pair, first[pair + 1] - first[pair]);
-      }
-    }
-  };
-  for (int64_t k = 1; k < n; ++k) {
-    pool.Schedule([&work, &pending] {
-      work();
-      pending.fetch_sub(1, std::memory_order_release);
-    });
-  }
-  work();
-  while (pending.load(std::memory_order_acquire) > 0) Pause();
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), c->items));
+  for (int64_t k = 1; k < n; ++k) pool.Schedule([c] { c->Work(); });
+  c->Work();
+  while (c->unmerged.load(std::memory_order_acquire) > 0) Pause();  // items other threads claimed, being run
   return ffi::Error::Success();
 }
 
