@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from specjax.engine import runner
-from specjax.model.attention import KVRows, dense_attention, gather_pages, paged_attention, write_pages, write_rows
+from specjax.model.attention import (KVRows, dense_attention, gather_pages, pages_and_new_attention, paged_attention,
+                                     write_pages, write_rows)
 from specjax.model.target import KVPages
 from tests.helpers import native_attention_kernel, native_kernels
 
@@ -109,31 +110,35 @@ def test_kv_write_kernel_equals_xla_scatter_in_place(dtype):
             np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(g, np.float32))
 
 
+@pytest.mark.parametrize("start", [40, 254])
 @pytest.mark.parametrize("hd", [64, 128])
-def test_attention_kernel_rows_do_not_depend_on_the_other_rows(hd):
-    """A query row's share of the cache is the same, bit for bit, whether the call has 3 rows per KV head (a
-    decoding step of SmolLM2) or 12 (a verification of 4 tokens): the kernel's row determinism."""
+def test_kernel_verification_rows_equal_decoding_rows_bit_for_bit(hd, start):
+    """Row t of a verification over `start` cached rows and 4 new ones equals, bit for bit, plain decoding's row at
+    the same position over start + t cached rows and its own: the kernel's result depends only on the keys a row
+    sees (254: the new rows straddle the chunk boundary at 256)."""
     kernel = native_attention_kernel()
-    rng = np.random.default_rng(1)
-    kv_heads, page_size, lens = 2, 16, np.asarray([300, 37], np.int32)  # 300: two chunks of 256
-    pages = -(-int(lens.max()) // page_size)
-    table = np.stack([np.arange(1, pages + 1), np.arange(pages + 1, 2 * pages + 1)]).astype(np.int32)
-    k_pool = jnp.asarray(rng.normal(size=(kv_heads, 2 * pages + 1, page_size, hd)), jnp.float32)
-    v_pool = jnp.asarray(rng.normal(size=(kv_heads, 2 * pages + 1, page_size, hd)), jnp.float32)
-    q = rng.normal(size=(kv_heads, 2, 12, hd)).astype(np.float32)
-
-    def share(rows):
-        shapes = (jax.ShapeDtypeStruct((kv_heads, 2, rows, hd), jnp.float32),
-                  jax.ShapeDtypeStruct((kv_heads, 2, rows), jnp.float32),
-                  jax.ShapeDtypeStruct((kv_heads, 2, rows), jnp.float32))
-        out = jax.ffi.ffi_call(kernel, shapes)(jnp.asarray(q[:, :, :rows]), k_pool, v_pool, jnp.asarray(table),
-                                               jnp.asarray(lens), scale=np.float32(hd ** -0.5))
-        return [np.asarray(x) for x in out]
-
-    few, many = share(3), share(12)
-    for a, b in zip(few, many):
-        np.testing.assert_array_equal(a, b[:, :, :3])
-    assert np.isfinite(many[0]).all() and (many[2] > 0).all()
+    rng = np.random.default_rng(hd + start)
+    n_heads, kv_heads, page_size, t = 6, 2, 16, 4
+    pages = -(-(start + t) // page_size)
+    table = jnp.asarray(rng.permutation(np.arange(1, pages + 1))[None].astype(np.int32))
+    k_all = rng.normal(size=(1, start + t, kv_heads, hd)).astype(np.float32)
+    v_all = rng.normal(size=(1, start + t, kv_heads, hd)).astype(np.float32)
+    q = jnp.asarray(rng.normal(size=(1, t, n_heads, hd)).astype(np.float32))
+    pos = np.arange(start + t)
+    slots = jnp.asarray((np.asarray(table)[0][pos // page_size] * page_size + pos % page_size)[None].astype(np.int32))
+    k_pool = write_pages(jnp.zeros((kv_heads, pages + 1, page_size, hd)), slots, jnp.asarray(k_all))
+    v_pool = write_pages(jnp.zeros((kv_heads, pages + 1, page_size, hd)), slots, jnp.asarray(v_all))
+    causal = jnp.asarray(np.tril(np.ones((t, t), bool))[None])
+    verify = pages_and_new_attention(q, k_pool, v_pool, table, jnp.asarray([start]), jnp.asarray(k_all[:, start:]),
+                                     jnp.asarray(v_all[:, start:]), causal, hd ** -0.5, kernel)
+    for j in range(t):
+        decode = pages_and_new_attention(q[:, j:j + 1], k_pool, v_pool, table, jnp.asarray([start + j]),
+                                         jnp.asarray(k_all[:, start + j:start + j + 1]),
+                                         jnp.asarray(v_all[:, start + j:start + j + 1]), jnp.ones((1, 1, 1), bool),
+                                         hd ** -0.5, kernel)
+        np.testing.assert_array_equal(np.asarray(verify[:, j]), np.asarray(decode[:, 0]))
+    dense = dense_attention(q, jnp.asarray(k_all), jnp.asarray(v_all), jnp.asarray(pos[start:][None]), hd ** -0.5)
+    np.testing.assert_allclose(np.asarray(verify), np.asarray(dense), atol=1e-5, rtol=1e-5)
 
 
 CONCURRENT_PROGRAMS = """

@@ -1,22 +1,23 @@
-// specjax CPU kernel: attention of a step's few query rows over paged K/V, read in place (no gather copy).
+// specjax CPU kernel: attention of a step's few query rows over paged K/V (read in place, no gather copy) and the
+// step's own new K/V rows, in one softmax.
 //
 // XLA:CPU reads a sequence's pages for attention by first gathering them into a contiguous [K, B, S, H] copy
 // (a decode step over 512 cached tokens of SmolLM2 copies 24 MB per sequence, per step).  This kernel walks the
-// page table instead: for each (KV head, sequence) it scores the query rows against every visible cached row, then
-// accumulates the value rows, reading each K and V row once.  It returns the cache's share of a softmax that the
-// caller merges with the step's own rows (model/attention.py `paged_attention`):
-//   m[k, b, r] = max_s score,  l[k, b, r] = sum_s exp(score - m),  o[k, b, r, :] = sum_s exp(score - m) v_s
-// over the cached positions s < lengths[b] (m = kMask, l = 0, o = 0 when there are none).  A sequence's cached
-// positions are split into chunks of kChunk, the work items spread over the threads (a batch-1 step has as many
-// (KV head, sequence) pairs as KV heads, 3 for SmolLM2: too few to share between two threads evenly), and each
-// pair's chunks are merged in chunk order by the thread that finishes its last one.  Every query row is computed
-// on its own with the same order of operations whatever the number of rows or sequences in the call (the chunks
-// depend on the row's own sequence length only), so the cache's share of a verification row is bit-identical to
-// plain decoding's.
+// page table instead.  Sequence b's keys are its positions 0 .. L_b + T2 - 1: the first L_b = lengths[b] come from
+// the pages, the next T2 are the step's own rows k_new / v_new (not in the pool yet: a forward only reads it), and
+// query row t sees every cached position and the new rows visible[b, t, :] allows.  For each (KV head, sequence)
+// it scores the query rows against every key, then accumulates the value rows, reading each K and V row once.  The
+// positions are split into chunks of kChunk by their absolute position, the work items spread over the threads (a
+// batch-1 step has as many (KV head, sequence) pairs as KV heads, 3 for SmolLM2: too few to share between two
+// threads evenly), and the thread that finishes a pair's last chunk merges its partial softmaxes in chunk order and
+// divides.  A row's arithmetic is the same whether a key is cached or new, and keys it does not see add exact
+// zeros, so a row's result depends only on the keys it sees and their positions: a verification row over L cached
+// rows and the drafts before it is bit-identical to plain decoding's row over L + t cached rows, whatever the
+// number of rows or sequences in the call.
 //
-// Shapes: q [K, B, R, H] (R = query rows per KV head), k_pool / v_pool [K, P, Z, H], page_table [B, Pg] int32,
-// lengths [B] int32; H a multiple of 16 up to 256.  AVX-512F or AVX2 + FMA (simd.h).  Work items are claimed from
-// the XLA:CPU intra-op thread pool's threads.
+// Shapes: q [B, T, N, H], k_pool / v_pool [K, P, Z, H], page_table [B, Pg] int32, lengths [B] int32, k_new /
+// v_new [B, T2, K, H], visible [B, T, T2] int32; out [B, T, N, H].  H a multiple of 16 up to 256.  AVX-512F or
+// AVX2 + FMA (simd.h).  Work items are claimed from the XLA:CPU intra-op thread pool's threads.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -39,20 +40,21 @@ constexpr float kMask = -1e30f;  // model/layers.py MASK_VALUE
 constexpr int kMaxVec = 256 / kLanes;  // H <= 256
 
 struct Args {
-  const float *q, *k_pool, *v_pool;
-  const int32_t *table, *lengths;
-  float *o, *m, *l;
-  int64_t kv_heads, batch, rows, head_dim, pages, page_size, table_width;
+  const float *q, *k_pool, *v_pool, *k_new, *v_new;
+  const int32_t *table, *lengths, *visible;
+  float* out;
+  int64_t kv_heads, batch, steps, heads, head_dim, pages, page_size, table_width, new_rows, rows;  // rows = T x G
   float scale;
 };
 
-constexpr int64_t kChunk = 256;  // cached positions per work item: a pair's positions are split into such chunks
+constexpr int64_t kChunk = 256;  // positions per work item: a pair's positions are split into such chunks
 
 // Where the items of one call keep their partial softmaxes until the pair's last chunk merges them.
 struct Parts {
-  int64_t chunks;                      // chunks per pair: ceil(max visible length / kChunk), at least 1
+  int64_t chunks;                      // chunks per pair: the most any pair has, at least 1
   Floats o, m, l;                      // [pair, chunk, R, H], [pair, chunk, R] x 2
-  Floats qs;                           // [pair, R, H]: each pair's q rows, scaled
+  Floats qs;                           // [pair, R, H]: each pair's q rows (r = t * G + g), scaled
+  std::vector<int64_t> cached;         // [B] cached positions of each sequence (lengths, clamped to its table)
   std::vector<std::atomic<int64_t>> left;  // chunks of each pair not finished yet
 };
 
@@ -86,27 +88,26 @@ constexpr std::array<PvFn, sizeof...(I)> PvTable(std::integer_sequence<int, I...
 }
 constexpr auto kPvBlocks = PvTable(std::make_integer_sequence<int, kRowGroup * kVecGroup>());
 
-// The cache's share over cached positions [s0, s1) of one (KV head, sequence) pair: max, sum of p = exp(score -
-// max) and sum of p v per query row, into om / mm / lm.  qs holds the pair's R query rows, scaled.  A score is the
-// dot product of a query row and a K row: kLanes-lane products accumulated over H in order, then the lanes summed
-// by SumEach's tree, kLanes cached positions at a time (a decoding step has 3 query rows per KV head on SmolLM2,
-// so vectors over positions fill the lanes where vectors over rows used 3 of 16).  Scores are kept per row,
-// st[r, i], a row's positions padded to whole vectors with kMask (their p is 0).  Every row's arithmetic is the
-// same whatever R is.
-void Chunk(const Args& a, int64_t kh, int64_t b, int64_t s0, int64_t s1, const float* qs, Floats& st,
-           float* om, float* mm, float* lm) {
-  const int64_t H = a.head_dim, R = a.rows, Z = a.page_size, nv = H / kLanes;
-  const int64_t n = s1 - s0, ns = (n + kLanes - 1) / kLanes * kLanes;
+// The share of positions [s0, s1) of pair (kh, b) in the softmax of each of its rows: max, sum of p = exp(score -
+// max) and sum of p v, into om / mm / lm.  qs holds the pair's R query rows, scaled.  A score is the dot product
+// of a query row and a K row: kLanes-lane products accumulated over H in order, then the lanes summed by SumEach's
+// tree, kLanes positions at a time (a decoding step has 3 query rows per KV head on SmolLM2, so vectors over
+// positions fill the lanes where vectors over rows used 3 of 16).  Scores are kept per row, st[r, i], a row's
+// positions padded to whole vectors with kMask; a new row a query does not see scores kMask too, so its p is
+// exactly 0 (Exp) and it adds exact zeros to the row's sums.  Every row's arithmetic is the same whatever R is.
+void Chunk(const Args& a, const Parts& parts, int64_t kh, int64_t b, int64_t s0, int64_t s1, const float* qs,
+           Floats& st, float* om, float* mm, float* lm) {
+  const int64_t H = a.head_dim, R = a.rows, Z = a.page_size, nv = H / kLanes, G = a.heads / a.kv_heads;
+  const int64_t n = s1 - s0, ns = (n + kLanes - 1) / kLanes * kLanes, cached = parts.cached[b], T2 = a.new_rows;
   st.resize(R * ns);
   const int32_t* table = a.table + b * a.table_width;
-  const float* kbase = a.k_pool + kh * a.pages * Z * H;
-  const float* vbase = a.v_pool + kh * a.pages * Z * H;
-  auto row = [&](const float* base, int64_t s) {
-    return base + (static_cast<int64_t>(table[s / Z]) * Z + s % Z) * H;
+  auto row = [&](const float* pool, const float* fresh, int64_t s) {  // position s's K or V row
+    if (s >= cached) return fresh + ((b * T2 + s - cached) * a.kv_heads + kh) * H;
+    return pool + kh * a.pages * Z * H + (static_cast<int64_t>(table[s / Z]) * Z + s % Z) * H;
   };
   for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
     const float* kr[kLanes];
-    for (int64_t i = 0; i < kLanes; ++i) kr[i] = row(kbase, s0 + i0 + (i0 + i < n ? i : 0));
+    for (int64_t i = 0; i < kLanes; ++i) kr[i] = row(a.k_pool, a.k_new, s0 + i0 + (i0 + i < n ? i : 0));
     for (int64_t r = 0; r < R; ++r) {
       const float* qr = qs + r * H;
       Vec acc[kLanes];
@@ -119,8 +120,11 @@ void Chunk(const Args& a, int64_t kh, int64_t b, int64_t s0, int64_t s1, const f
       Store(st.data() + r * ns + i0, SumEach(acc));
     }
   }
-  for (int64_t r = 0; r < R; ++r) {  // per row: max, p = exp(score - max) in place, sum of p
+  const int32_t* vis = a.visible + b * a.steps * T2;
+  for (int64_t r = 0; r < R; ++r) {  // per row: hide what it does not see, max, p = exp(score - max), sum of p
     float* sr = st.data() + r * ns;
+    for (int64_t s = std::max(s0, cached); s < s1; ++s)
+      if (!vis[(r / G) * T2 + s - cached]) sr[s - s0] = kMask;
     for (int64_t i = n; i < ns; ++i) sr[i] = kMask;
     Vec mx = Set1(kMask);
     for (int64_t i0 = 0; i0 < ns; i0 += kLanes) mx = Max(mx, Load(sr + i0));
@@ -136,7 +140,7 @@ void Chunk(const Args& a, int64_t kh, int64_t b, int64_t s0, int64_t s1, const f
     lm[r] = Sum(sum);
   }
   const float* vrows[kChunk];
-  for (int64_t i = 0; i < n; ++i) vrows[i] = row(vbase, s0 + i);
+  for (int64_t i = 0; i < n; ++i) vrows[i] = row(a.v_pool, a.v_new, s0 + i);
   for (int64_t r0 = 0; r0 < R; r0 += kRowGroup) {  // o[r] += p[r, s] v_s in s order, a block of o in registers
     for (int64_t j0 = 0; j0 < nv; j0 += kVecGroup) {
       const int rg = R - r0 < kRowGroup ? static_cast<int>(R - r0) : kRowGroup;
@@ -146,32 +150,30 @@ void Chunk(const Args& a, int64_t kh, int64_t b, int64_t s0, int64_t s1, const f
   }
 }
 
-// Merge a pair's chunk partials in chunk order into the outputs: m = max_c m_c, l = sum_c l_c e^(m_c - m),
-// o = sum_c o_c e^(m_c - m) (m = kMask, l = 0, o = 0 when the sequence has no cached rows).
+// Merge pair (kh, b)'s chunk partials in chunk order, out = o / l with m = max_c m_c, l = sum_c l_c e^(m_c - m),
+// o = sum_c o_c e^(m_c - m).  A chunk whose positions a row does not see has m_c = kMask and weighs exactly 0.
+// Rows of a pair without positions get 0.
 void Merge(const Args& a, const Parts& parts, int64_t pair, int64_t chunks) {
-  const int64_t H = a.head_dim, R = a.rows, nv = H / kLanes;
-  float* o = a.o + pair * R * H;
-  float* m = a.m + pair * R;
-  float* l = a.l + pair * R;
+  const int64_t H = a.head_dim, R = a.rows, nv = H / kLanes, G = a.heads / a.kv_heads;
+  const int64_t kh = pair / a.batch, b = pair % a.batch;
   const float* om = parts.o.data() + pair * parts.chunks * R * H;
   const float* mm = parts.m.data() + pair * parts.chunks * R;
   const float* lm = parts.l.data() + pair * parts.chunks * R;
   for (int64_t r = 0; r < R; ++r) {
+    float* dst = a.out + ((b * a.steps + r / G) * a.heads + kh * G + r % G) * H;
     float mx = kMask;
     for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, mm[c * R + r]);
     float sum = 0.0f;
-    for (int64_t j = 0; j < nv; ++j) Store(o + r * H + kLanes * j, Zero());
+    Vec acc[kMaxVec];
+    for (int64_t j = 0; j < nv; ++j) acc[j] = Zero();
     for (int64_t c = 0; c < chunks; ++c) {
       const float w = std::exp(mm[c * R + r] - mx);
       sum += lm[c * R + r] * w;
       const Vec wv = Set1(w);
-      for (int64_t j = 0; j < nv; ++j) {
-        float* dst = o + r * H + kLanes * j;
-        Store(dst, Fma(wv, Load(om + (c * R + r) * H + kLanes * j), Load(dst)));
-      }
+      for (int64_t j = 0; j < nv; ++j) acc[j] = Fma(wv, Load(om + (c * R + r) * H + kLanes * j), acc[j]);
     }
-    m[r] = mx;  // kMask when there are no chunks
-    l[r] = sum;
+    const Vec den = Set1(chunks ? sum : 1.0f);
+    for (int64_t j = 0; j < nv; ++j) Store(dst + kLanes * j, Div(acc[j], den));
   }
 }
 
@@ -180,7 +182,7 @@ void Merge(const Args& a, const Parts& parts, int64_t pair, int64_t chunks) {
 struct Call {
   Args a;
   Parts parts;
-  std::vector<int64_t> first, visible;  // visible: cached rows each sequence attends to
+  std::vector<int64_t> first;
   int64_t items = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> unmerged{0};  // pairs with chunks whose merge is not done: the caller returns at 0
@@ -192,9 +194,9 @@ struct Call {
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
       while (first[pair + 1] <= it) ++pair;  // items are claimed in increasing order
       const int64_t c = it - first[pair], b = pair % a.batch;
-      const int64_t s0 = c * kChunk, s1 = std::min(visible[b], s0 + kChunk);
+      const int64_t s0 = c * kChunk, s1 = std::min(parts.cached[b] + a.new_rows, s0 + kChunk);
       const int64_t slot = pair * parts.chunks + c;
-      Chunk(a, pair / a.batch, b, s0, s1, parts.qs.data() + pair * R * H, st, parts.o.data() + slot * R * H,
+      Chunk(a, parts, pair / a.batch, b, s0, s1, parts.qs.data() + pair * R * H, st, parts.o.data() + slot * R * H,
             parts.m.data() + slot * R, parts.l.data() + slot * R);
       if (parts.left[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the pair's last chunk: merge it
         Merge(a, parts, pair, first[pair + 1] - first[pair]);
@@ -206,27 +208,28 @@ struct Call {
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
                           ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> page_table,
-                          ffi::Buffer<ffi::S32> lengths, float scale, ffi::ResultBuffer<ffi::F32> o,
-                          ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l) {
-  const auto qd = q.dimensions(), kd = k_pool.dimensions(), td = page_table.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || kd[0] != qd[0] || kd[3] != qd[3] || td[0] != qd[1] ||
-      lengths.dimensions()[0] != qd[1] || v_pool.dimensions().size() != 4 ||
-      !std::equal(kd.begin(), kd.end(), v_pool.dimensions().begin())) {
-    return ffi::Error::InvalidArgument("specjax paged attention: q [K, B, R, H], pools [K, P, Z, H], "
-                                       "page_table [B, Pg], lengths [B]");
+                          ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                          ffi::Buffer<ffi::S32> visible, float scale, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_pool.dimensions(), td = page_table.dimensions(), nd = k_new.dimensions(),
+             vd = visible.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || nd.size() != 4 || vd.size() != 3 || kd[3] != qd[3] ||
+      qd[2] % kd[0] != 0 || td[0] != qd[0] || lengths.dimensions().size() != 1 || lengths.dimensions()[0] != qd[0] ||
+      v_pool.dimensions().size() != 4 || !std::equal(kd.begin(), kd.end(), v_pool.dimensions().begin()) ||
+      nd[0] != qd[0] || nd[2] != kd[0] || nd[3] != qd[3] || v_new.dimensions().size() != 4 ||
+      !std::equal(nd.begin(), nd.end(), v_new.dimensions().begin()) || vd[0] != qd[0] || vd[1] != qd[1] ||
+      vd[2] != nd[1]) {
+    return ffi::Error::InvalidArgument("specjax paged attention: q [B, T, N, H], pools [K, P, Z, H], "
+                                       "page_table [B, Pg], lengths [B], k_new / v_new [B, T2, K, H], "
+                                       "visible [B, T, T2]");
   }
   if (qd[3] % 16 != 0 || qd[3] > kLanes * kMaxVec) {
     return ffi::Error::InvalidArgument("specjax paged attention: head_dim must be a multiple of 16, at most 256");
   }
-  Args a{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), page_table.typed_data(), lengths.typed_data(),
-         o->typed_data(), m->typed_data(), l->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], td[1], scale};
+  const int64_t K = kd[0], G = qd[2] / K;
+  Args a{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), k_new.typed_data(), v_new.typed_data(),
+         page_table.typed_data(), lengths.typed_data(), visible.typed_data(), out->typed_data(),
+         K, qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], td[1], nd[1], qd[1] * G, scale};
   const int64_t pairs = a.kv_heads * a.batch, R = a.rows, H = a.head_dim;
-  std::vector<int64_t> visible(a.batch);  // cached rows each sequence attends to
-  int64_t longest = 0;
-  for (int64_t b = 0; b < a.batch; ++b) {
-    visible[b] = std::min<int64_t>(std::max<int32_t>(a.lengths[b], 0), a.table_width * a.page_size);
-    longest = std::max(longest, visible[b]);
-  }
   // Everything a helper thread touches lives in `c`, held by the helpers (shared_ptr), so the caller returns as
   // soon as every pair is merged and never waits for a helper to start: a helper still queued when the call ends
   // (its pool threads busy, e.g. in another program's call of this kernel) finds no item left and touches nothing
@@ -235,6 +238,12 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   auto c = std::make_shared<Call>();
   c->a = a;
   Parts& parts = c->parts;
+  parts.cached.resize(a.batch);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    parts.cached[b] = std::min<int64_t>(std::max<int32_t>(a.lengths[b], 0), a.table_width * a.page_size);
+    longest = std::max(longest, parts.cached[b] + a.new_rows);
+  }
   parts.chunks = std::max<int64_t>(1, (longest + kChunk - 1) / kChunk);
   parts.o.resize(pairs * parts.chunks * R * H);
   parts.m.resize(pairs * parts.chunks * R);
@@ -243,20 +252,25 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   c->first.assign(pairs + 1, 0);
   int64_t unmerged = 0;
   for (int64_t i = 0; i < pairs; ++i) {
-    const int64_t chunks = (visible[i % a.batch] + kChunk - 1) / kChunk;
+    const int64_t chunks = (parts.cached[i % a.batch] + a.new_rows + kChunk - 1) / kChunk;
     parts.left[i].store(chunks, std::memory_order_relaxed);
     c->first[i + 1] = c->first[i] + chunks;
     if (chunks == 0) {
-      Merge(a, parts, i, 0);  // no cached rows: the empty share
+      Merge(a, parts, i, 0);  // no positions at all: zeros
     } else {
       ++unmerged;
     }
   }
-  c->visible = std::move(visible);
   c->items = c->first[pairs];
   c->unmerged.store(unmerged, std::memory_order_relaxed);
-  parts.qs.resize(pairs * R * H);  // q scaled: scores come out scaled
-  for (int64_t i = 0; i < pairs * R * H; ++i) parts.qs[i] = a.q[i] * a.scale;
+  parts.qs.resize(pairs * R * H);  // rows r = (t, g): query t, head kh * G + g; scaled: scores come out scaled
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t kh = i / a.batch, b = i % a.batch;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = a.q + ((b * a.steps + r / G) * a.heads + kh * G + r % G) * H;
+      for (int64_t h = 0; h < H; ++h) parts.qs[(i * R + r) * H + h] = qr[h] * a.scale;
+    }
+  }
   const int64_t n = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), c->items));
   for (int64_t k = 1; k < n; ++k) pool.Schedule([c] { c->Work(); });
   c->Work();
@@ -270,5 +284,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPagedAttention, PagedAttention,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale").Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -30,6 +30,7 @@ inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec Div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, rounded once
 inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
@@ -98,6 +99,7 @@ inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec Sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec Div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float Sum(Vec v) {

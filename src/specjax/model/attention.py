@@ -127,30 +127,20 @@ def pages_and_new_attention(q, k_pool, v_pool, page_table, cache_lens, k_new, v_
                             kernel=None):
     """`cached_and_new_attention` with the cache read from pages: every query of sequence b sees its cached rows
     s < cache_lens[b] [B] and the new rows new_visible [B, T, T2] allows.  `kernel`: the registered FFI target of
-    kernels/paged_attention.cc (TargetWeights.attention_kernel), which reads the pages in place, for float32 calls
-    of at most KERNEL_MAX_QUERIES queries per sequence; otherwise the pages are gathered and XLA attends over the
-    copy."""
+    kernels/paged_attention.cc (TargetWeights.attention_kernel), which reads the pages in place and does the whole
+    softmax (a row's result then depends only on the keys it sees: verification rows are bit-identical to plain
+    decoding's), for float32 calls of at most KERNEL_MAX_QUERIES queries per sequence; otherwise the pages are
+    gathered and XLA attends over the copy."""
     b, t, n, h = q.shape
     if not (reads_pages_in_place(kernel, t, k_pool.dtype, h) and q.dtype == jnp.float32):
         k_cache, v_cache = gather_pages(k_pool, page_table), gather_pages(v_pool, page_table)
         cache_visible = jnp.arange(k_cache.shape[2])[None, :] < cache_lens[:, None]
         return cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible, scale)
-    kv_heads = k_pool.shape[0]
-    g = n // kv_heads
-    qq = q.reshape(b, t, kv_heads, g, h).transpose(2, 0, 1, 3, 4).reshape(kv_heads, b, t * g, h)  # rows (t, g)
-    rows = (jax.ShapeDtypeStruct(qq.shape, jnp.float32), jax.ShapeDtypeStruct(qq.shape[:3], jnp.float32),
-            jax.ShapeDtypeStruct(qq.shape[:3], jnp.float32))
-    # the cache's share of the softmax: its max, sum and unnormalized value sum per query row
-    o_cache, m_cache, l_cache = jax.ffi.ffi_call(kernel, rows)(
-        qq, k_pool, v_pool, page_table.astype(jnp.int32), cache_lens.astype(jnp.int32), scale=np.float32(scale))
-    kn, vn = k_new.transpose(2, 0, 1, 3), v_new.transpose(2, 0, 1, 3)  # [K, B, T2, H]
-    s_new = jnp.einsum("kbqh,kbth->kbqt", qq, kn, preferred_element_type=jnp.float32) * scale
-    s_new = jnp.where(jnp.repeat(new_visible, g, axis=1)[None], s_new, MASK_VALUE)
-    m = jnp.maximum(m_cache, s_new.max(-1))
-    a_cache, p_new = jnp.exp(m_cache - m), jnp.exp(s_new - m[..., None])
-    denom = l_cache * a_cache + p_new.sum(-1)
-    out = (o_cache * a_cache[..., None] + jnp.einsum("kbqt,kbth->kbqh", p_new, vn)) / denom[..., None]
-    return out.reshape(kv_heads, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
+    # one softmax over the cached rows (read in place) and the step's own rows, all in the kernel
+    return jax.ffi.ffi_call(kernel, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k_pool, v_pool, page_table.astype(jnp.int32), cache_lens.astype(jnp.int32), k_new.astype(jnp.float32),
+        v_new.astype(jnp.float32), jnp.broadcast_to(new_visible, (b, t, k_new.shape[1])).astype(jnp.int32),
+        scale=np.float32(scale))
 
 
 def dense_attention(q, k, v, positions, scale):
