@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 
 from specjax.engine import runner
-from specjax.model.attention import (KVRows, dense_attention, gather_pages, pages_and_new_attention, paged_attention,
-                                     write_pages, write_rows)
+from specjax.model.attention import (
+    KVRows,
+    dense_attention,
+    gather_pages,
+    paged_attention,
+    pages_and_new_attention,
+    write_pages,
+    write_rows,
+)
 from specjax.model.target import KVPages
 from tests.helpers import native_attention_kernel, native_kernels
 
