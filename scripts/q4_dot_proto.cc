@@ -9,15 +9,20 @@
 //         multiplied as bytes by vpdpbusd (64 products per instruction into int32), one float scale per block
 //         pair and token; Q4_1's min term from the activations' exact block sums.
 // Prints ns per row for each (loop, M), and each loop's largest relative error against a double dot product.
+// With `bf16 [drafter]`: the DFlash drafter's bfloat16 matrices instead, today's loop (each weight widened to
+// float32, FMA) against vdpbf16ps on bfloat16-rounded activations, over 70 MB streamed from memory or (`drafter`)
+// the drafter's own 17.5 MB, which can stay in the last-level cache.
 //
 //   g++ -O3 -march=native -std=c++17 -Isrc/specjax/kernels scripts/q4_dot_proto.cc -o /tmp/q4_dot_proto
-//   taskset -c 0 /tmp/q4_dot_proto
+//   taskset -c 0 /tmp/q4_dot_proto [bf16 [drafter]]
 // Needs AVX-512 with BF16 and VNNI (Zen 4, Sapphire Rapids); not built by specjax.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -140,6 +145,38 @@ void Int8(const Q4_1& w, const Int8Acts& a, float* y) {
   }
 }
 
+
+// The drafter's bfloat16 matrices: [rows, B, 32] bfloat16 bits.
+template <int M>
+void Bf16Widen(const uint16_t* w, int64_t rows, const float* x, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    Vec acc[M];
+    for (int t = 0; t < M; ++t) acc[t] = Zero();
+    for (int64_t b = 0; b < B; ++b) {
+      const uint16_t* c = w + (r * B + b) * 32;
+      const Vec w0 = BF16ToFloat(c), w1 = BF16ToFloat(c + 16);
+      for (int t = 0; t < M; ++t) {
+        acc[t] = Fma(w0, Load(x + t * I + b * 32), acc[t]);
+        acc[t] = Fma(w1, Load(x + t * I + b * 32 + 16), acc[t]);
+      }
+    }
+    for (int t = 0; t < M; ++t) y[r * M + t] = Sum(acc[t]);
+  }
+}
+
+template <int M>
+void Bf16Dot(const uint16_t* w, int64_t rows, const __m512bh* xb, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 acc[M];
+    for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      const __m512bh wb = (__m512bh)_mm512_loadu_si512(w + (r * B + b) * 32);
+      for (int t = 0; t < M; ++t) acc[t] = _mm512_dpbf16_ps(acc[t], wb, xb[t * B + b]);
+    }
+    for (int t = 0; t < M; ++t) y[r * M + t] = _mm512_reduce_add_ps(acc[t]);
+  }
+}
+
 template <typename F>
 double Best(F&& f, int reps) {
   double best = 1e30;
@@ -186,18 +223,47 @@ void Run(const Q4_1& w, const std::vector<float>& x) {
               "f32 %.1e  bf16 %.1e  int8 %.1e\n", M, tf / O * 1e9, tb / O * 1e9, ti / O * 1e9, qa * 1e6, ef, eb, ei);
 }
 
-int main() {
+
+template <int M>
+void RunBf16(const std::vector<uint16_t>& w, int64_t rows, const std::vector<float>& x) {
+  std::vector<float> y(rows * M);
+  std::vector<__m512bh> xb(M * B);
+  for (int t = 0; t < M; ++t)
+    for (int64_t b = 0; b < B; ++b)
+      xb[t * B + b] = _mm512_cvtne2ps_pbh(Load(x.data() + t * I + b * 32 + 16), Load(x.data() + t * I + b * 32));
+  const double tw = Best([&] { Bf16Widen<M>(w.data(), rows, x.data(), y.data()); }, 9);
+  const double td = Best([&] { Bf16Dot<M>(w.data(), rows, xb.data(), y.data()); }, 9);
+  std::printf("M=%d  ns/row: widen + FMA %.2f  vdpbf16ps %.2f\n", M, tw / rows * 1e9, td / rows * 1e9);
+}
+
+int main(int argc, char** argv) {
   std::mt19937 rng(0);
   std::uniform_int_distribution<int> byte(0, 255);
   std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(4 * I);
+  for (auto& v : x) v = normal(rng);
+  if (argc > 1 && std::string(argv[1]) == "bf16") {
+    const int64_t rows = argc > 2 ? 15168 : 4 * 15168;  // the drafter's 8.74M weights, or 4x that
+    std::vector<uint16_t> w(rows * I);
+    for (auto& v : w) {
+      const float f = normal(rng);
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      v = static_cast<uint16_t>(u >> 16);
+    }
+    std::printf("bfloat16 [%lld, %lld]: %.1f MB\n", (long long)rows, (long long)I, rows * I * 2 / 1e6);
+    RunBf16<1>(w, rows, x);
+    RunBf16<2>(w, rows, x);
+    RunBf16<3>(w, rows, x);
+    RunBf16<4>(w, rows, x);
+    return 0;
+  }
   Q4_1 w;
   w.codes.resize(O * B * 16);
   w.d.resize(O * B + 16);  // + 16: the int8 loop's masked loads stay inside
   w.m.resize(O * B + 16);
   for (auto& c : w.codes) c = static_cast<uint8_t>(byte(rng));
   for (int64_t i = 0; i < O * B; ++i) w.d[i] = 0.01f * (1.0f + 0.1f * normal(rng)), w.m[i] = -0.08f + 0.01f * normal(rng);
-  std::vector<float> x(4 * I);
-  for (auto& v : x) v = normal(rng);
   std::printf("Q4_1 [%lld, %lld]: %.1f MB of codes and scales\n", (long long)O, (long long)I,
               (O * B * (16 + 8)) / 1e6);
   Run<1>(w, x);
