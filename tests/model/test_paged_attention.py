@@ -121,8 +121,9 @@ def test_kv_write_kernel_equals_xla_scatter_in_place(dtype):
 @pytest.mark.parametrize("hd", [64, 128])
 def test_kernel_verification_rows_equal_decoding_rows_bit_for_bit(hd, start):
     """Row t of a verification over `start` cached rows and 4 new ones equals, bit for bit, plain decoding's row at
-    the same position over start + t cached rows and its own: the kernel's result depends only on the keys a row
-    sees (254: the new rows straddle the chunk boundary at 256)."""
+    the same position over start + t cached rows and its own, and the verification's rows do not change beside
+    another sequence: the kernel's result depends only on the keys a row sees (254: the new rows straddle the chunk
+    boundary at 256)."""
     kernel = native_attention_kernel()
     rng = np.random.default_rng(hd + start)
     n_heads, kv_heads, page_size, t = 6, 2, 16, 4
@@ -144,6 +145,15 @@ def test_kernel_verification_rows_equal_decoding_rows_bit_for_bit(hd, start):
                                          jnp.asarray(v_all[:, start + j:start + j + 1]), jnp.ones((1, 1, 1), bool),
                                          hd ** -0.5, kernel)
         np.testing.assert_array_equal(np.asarray(verify[:, j]), np.asarray(decode[:, 0]))
+    # beside another sequence (its own length, table and new rows) in one call: the same rows, bit for bit
+    other = int(rng.integers(1, start + 1))
+    tables = jnp.concatenate([table, table[:, ::-1]])
+    k2 = jnp.asarray(np.concatenate([k_all[:, start:], rng.normal(size=(1, t, kv_heads, hd)).astype(np.float32)]))
+    v2 = jnp.asarray(np.concatenate([v_all[:, start:], rng.normal(size=(1, t, kv_heads, hd)).astype(np.float32)]))
+    q2 = jnp.concatenate([q, jnp.asarray(rng.normal(size=(1, t, n_heads, hd)).astype(np.float32))])
+    both = pages_and_new_attention(q2, k_pool, v_pool, tables, jnp.asarray([start, other]), k2, v2,
+                                   jnp.concatenate([causal, causal]), hd ** -0.5, kernel)
+    np.testing.assert_array_equal(np.asarray(both[:1]), np.asarray(verify))
     dense = dense_attention(q, jnp.asarray(k_all), jnp.asarray(v_all), jnp.asarray(pos[start:][None]), hd ** -0.5)
     np.testing.assert_allclose(np.asarray(verify), np.asarray(dense), atol=1e-5, rtol=1e-5)
 
