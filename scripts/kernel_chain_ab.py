@@ -6,6 +6,7 @@ float32 dot on the same (dequantized) matrices too.  Only the products: no atten
 step, so a kernel change shows at the resolution a full `specjax analyze kflat` A/B cannot reach on a noisy VM.
 
     python scripts/kernel_chain_ab.py --a HEAD --b int8-activations [--reps 15] [--m 1,4,8] [--out FILE]
+    python scripts/kernel_chain_ab.py --a WORKTREE --b-activations int8 [--part layers|head]  # one build, two inputs
     taskset -c 1 python scripts/kernel_chain_ab.py ...   # one core
 
 A revision's kernel is built from its kernels/quant_matmul.cc and headers (`git show`); WORKTREE means the working
@@ -55,13 +56,14 @@ def kernel_sources(rev: str, out: str) -> str:
     return os.path.join(out, "quant_matmul.cc")
 
 
-def register(rev: str, tag: str, tmp: str) -> None:
-    """Build `rev`'s kernel and register its Q4_1 and Q8_0 handlers as chain_{tag}_{kind}."""
+def register(rev: str, tag: str, tmp: str, activations: str) -> None:
+    """Build `rev`'s kernel and register its Q4_1 and Q8_0 handlers (float32 or int8 activations) as
+    chain_{tag}_{kind}."""
     source = kernel_sources(rev, os.path.join(tmp, tag))
     lib = ctypes.CDLL(build(source, jax.ffi.include_dir(), os.path.join(tmp, tag, "build"), "g++", tag))
     for kind in ("Q4_1", "Q8_0"):
-        jax.ffi.register_ffi_target(f"chain_{tag}_{kind}", jax.ffi.pycapsule(getattr(lib, QUANT_HANDLERS[kind])),
-                                    platform="cpu")
+        handler = QUANT_HANDLERS[kind + ("_I8" if activations == "int8" else "")]
+        jax.ffi.register_ffi_target(f"chain_{tag}_{kind}", jax.ffi.pycapsule(getattr(lib, handler)), platform="cpu")
 
 
 def chain(ws, x):
@@ -83,28 +85,34 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.add_argument("--xla", action="store_true", help="also time XLA's float32 dot on the dequantized matrices")
+    p.add_argument("--a-activations", default="float32", choices=["float32", "int8"])
+    p.add_argument("--b-activations", default="float32", choices=["float32", "int8"])
+    p.add_argument("--part", default="all", choices=["all", "layers", "head"],
+                   help="the whole chain, its 120 layer matrices, or the head alone")
     args = p.parse_args()
+    chain_shapes = {"all": CHAIN, "layers": CHAIN[:-1], "head": CHAIN[-1:]}[args.part]
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        register(args.a, "a", tmp)
-        register(args.b, "b", tmp)
+        register(args.a, "a", tmp, args.a_activations)
+        register(args.b, "b", tmp, args.b_activations)
         blocks, dense = {}, {}
-        for kind, rows, cols in set(CHAIN):
+        for kind, rows, cols in set(chain_shapes):
             data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
                                         gguf.GGMLQuantizationType[kind])
             blocks[(kind, rows, cols)] = HostBlocks.from_gguf(data, kind)
             if args.xla:
                 dense[(kind, rows, cols)] = dequantize(data, gguf.GGMLQuantizationType[kind])
         # the kernels never read a QuantMatrix's float32 side: zeros stand in for it
-        mats = [to_device(blocks[s], jnp.zeros(s[1:], jnp.float32), "") for s in CHAIN]
-        sides = {tag: [dataclasses.replace(w, target=f"chain_{tag}_{s[0]}") for w, s in zip(mats, CHAIN)]
+        mats = [to_device(blocks[s], jnp.zeros(s[1:], jnp.float32), "") for s in chain_shapes]
+        sides = {tag: [dataclasses.replace(w, target=f"chain_{tag}_{s[0]}") for w, s in zip(mats, chain_shapes)]
                  for tag in ("a", "b")}
         if args.xla:  # every matrix its own buffer, as the kernels' blocks are
-            sides["xla"] = [jnp.array(dense[s]) for s in CHAIN]
+            sides["xla"] = [jnp.array(dense[s]) for s in chain_shapes]
         step = jax.jit(chain)
-        report = {"a": args.a, "b": args.b, "threads": len(os.sched_getaffinity(0)), "m": {}}
+        report = {"a": args.a, "b": args.b, "a_activations": args.a_activations,
+                  "b_activations": args.b_activations, "part": args.part, "threads": len(os.sched_getaffinity(0)), "m": {}}
         for m in [int(v) for v in args.m.split(",")]:
-            x = jnp.asarray(rng.standard_normal((max(s[2] for s in CHAIN), m)).astype(np.float32))
+            x = jnp.asarray(rng.standard_normal((max(s[2] for s in chain_shapes), m)).astype(np.float32))
             times = {tag: [] for tag in sides}
             totals = {tag: float(step(sides[tag], x)) for tag in times}
             if totals["a"] != totals["b"]:  # the same products summed the same way: equal to the bit

@@ -1,7 +1,8 @@
 """Where one decode step's time goes: a jax.profiler trace of the step `specjax analyze kflat` times, aggregated
 by XLA thunk kind (fusions, FFI kernels, dots), with the share of each.
 
-    python scripts/profile_step.py [--q 4] [--context 512] [--no-quant-kernels] [--steps 5] [--out DIR]
+    python scripts/profile_step.py [--q 4] [--context 512] [--no-quant-kernels] [--kernel-activations float32]
+                                   [--steps 5] [--out DIR]
     python scripts/profile_step.py --drafter [DIR] --q 4     # the DFlash drafter's forward for a block of q
 
 Tracing adds a fixed cost to every thunk, so small thunks read high; use it for where the time goes, not for
@@ -48,6 +49,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--quant-kernels", default=True, action=argparse.BooleanOptionalAction)
+    p.add_argument("--kernel-activations", default="int8", choices=["int8", "float32"])
     p.add_argument("--out", default=None, help="keep the trace here (default: a temporary directory)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--drafter", nargs="?", const="default", default=None,
@@ -56,7 +58,7 @@ def main() -> None:
     from specjax.bench.kflat import draft_step, verify_steps
     from specjax.model.loader import load_model
 
-    model = load_model(args.model, quant_kernels=args.quant_kernels)
+    model = load_model(args.model, quant_kernels=args.quant_kernels, activations=args.kernel_activations)
     if args.drafter is not None:
         from specjax.llm import build_proposer, default_drafter_path
 

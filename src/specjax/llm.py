@@ -126,13 +126,14 @@ class LLM:
     def __init__(self, model: str | None = None, drafter: str | None = None, method: str | None = None,
                  block_size: int | None = None, engine_config: EngineConfig | None = None, dtype: str = "float32",
                  seed: int = 0, ngram: tuple[int, int] = (1, 3), target: LoadedModel | None = None,
-                 tensor_parallel_size: int = 1, devices=None, quant_kernels: bool = True):
+                 tensor_parallel_size: int = 1, devices=None, quant_kernels: bool = True,
+                 kernel_activations: str = "int8"):
         if dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r} (float32, bfloat16)")
         keep_freed_memory()
         if target is None:
             target = load_model(model, DTYPES[dtype], tensor_parallel_mesh(tensor_parallel_size, devices),
-                                quant_kernels)
+                                quant_kernels, kernel_activations)
         elif target.config.tensor_parallel != tensor_parallel_size:
             raise ConfigError(f"the loaded target is split over {target.config.tensor_parallel} device(s), not "
                               f"tensor_parallel_size={tensor_parallel_size}")

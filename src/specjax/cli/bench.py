@@ -41,7 +41,7 @@ def cmd_bench(args) -> int:
     if "ar" not in methods:
         methods = ["ar"] + methods  # the baseline every speedup is measured against
     target = load_model(args.model, DTYPES[args.dtype], tensor_parallel_mesh(args.tensor_parallel_size),
-                        args.quant_kernels)
+                        args.quant_kernels, args.kernel_activations)
     datasets = {name: load_eval(name, args.data_dir, args.data_file)[:num_prompts] for name in datasets_arg.split(",")}
     params = SamplingParams(temperature=args.temperature, max_new_tokens=max_new, seed=args.seed)
     llms = {}
@@ -89,6 +89,7 @@ def cmd_bench(args) -> int:
                          "max_new_tokens": max_new, "temperature": args.temperature, "block_size": args.block_size,
                          "num_draft_tokens": args.num_draft_tokens, "model": target.source,
                          "quant_kernels": target.quantized_kernels,
+                         "kernel_activations": target.kernel_activations,
                          "drafters": {m: llm.drafter_path for m, llm in llms.items() if llm.drafter_path},
                          "command": " ".join(sys.argv)},
               "records": records}
@@ -108,7 +109,8 @@ def cmd_analyze_kflat(args) -> int:
     from specjax.model.loader import load_model
 
     enable_compile_cache(args.compile_cache)
-    target = load_model(args.model, DTYPES[args.dtype], quant_kernels=args.quant_kernels)
+    target = load_model(args.model, DTYPES[args.dtype], quant_kernels=args.quant_kernels,
+                        activations=args.kernel_activations)
     qs = [int(q) for q in args.q.split(",")]
     print(f"verify cost on {target.source} (context {args.context}, batch {args.batch}, median of {args.repeats})",
           file=sys.stderr)
@@ -126,6 +128,7 @@ def cmd_analyze_kflat(args) -> int:
     results = verify_costs(target.config, target.weights, qs, args.context, args.repeats, args.batch,
                            progress=progress)
     record = {"kind": "kflat", "model": target.source, "quant_kernels": target.quantized_kernels,
+              "kernel_activations": target.kernel_activations,
               "context": args.context, "batch": args.batch, "dtype": args.dtype, "results": results,
               "machine": machine_info()}
     if args.drafter:

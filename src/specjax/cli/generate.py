@@ -27,7 +27,7 @@ def cmd_generate(args) -> int:
                            num_draft_tokens=args.num_draft_tokens,
                            adaptive_k=args.adaptive_k and args.method != "ar"), dtype=args.dtype, seed=args.seed or 0,
               ngram=tuple(int(x) for x in args.ngram.split(",")), tensor_parallel_size=args.tensor_parallel_size,
-              quant_kernels=args.quant_kernels)
+              quant_kernels=args.quant_kernels, kernel_activations=args.kernel_activations)
     load_s = time.perf_counter() - t0
     leader = jax.process_index() == 0
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -53,6 +53,7 @@ def cmd_generate(args) -> int:
                           "ttft_s": res.ttft, "tpot_s": res.tpot, "tau": res.stats.mean_acceptance_length,
                           "acceptance_lengths": res.stats.acceptance_lengths, "text": res.text,
                           "token_ids": res.token_ids, "quant_kernels": llm.target.quantized_kernels,
+                          "kernel_activations": llm.target.kernel_activations,
                           "process": jax.process_index()}))
     if not leader:  # the other processes of a multi-host run computed the same steps; process 0 reports
         return 0

@@ -50,7 +50,7 @@ def build_server(args):
     for i, devices in enumerate(replica_devices(args.data_parallel_size, args.tensor_parallel_size)):
         llm = LLM(args.model, args.drafter, args.method, args.block_size, cfg, dtype=args.dtype,
                   ngram=tuple(int(x) for x in args.ngram.split(",")), tensor_parallel_size=args.tensor_parallel_size,
-                  devices=devices, quant_kernels=args.quant_kernels)
+                  devices=devices, quant_kernels=args.quant_kernels, kernel_activations=args.kernel_activations)
         replica = f" (replica {i} on {', '.join(str(d) for d in devices)})" if args.data_parallel_size > 1 else ""
         if args.warmup != "none":
             t0 = time.perf_counter()

@@ -24,7 +24,11 @@ from importlib import resources
 log = logging.getLogger(__name__)
 
 QUANT_SOURCE = "quant_matmul.cc"
-QUANT_HANDLERS = {"Q4_0": "SpecjaxQ4_0", "Q4_1": "SpecjaxQ4_1", "Q8_0": "SpecjaxQ8_0", "BF16": "SpecjaxBF16"}
+QUANT_HANDLERS = {"Q4_0": "SpecjaxQ4_0", "Q4_1": "SpecjaxQ4_1", "Q8_0": "SpecjaxQ8_0", "BF16": "SpecjaxBF16",
+                  "Q4_0_I8": "SpecjaxQ4_0I8", "Q4_1_I8": "SpecjaxQ4_1I8", "Q8_0_I8": "SpecjaxQ8_0I8"}
+# How a GGUF block kernel takes its activations: quantized per block of 32 to int8 (llama.cpp's scheme, faster) or
+# as float32 (the dequantized weights' float32 product to rounding).
+ACTIVATIONS = ("int8", "float32")
 ATTENTION_SOURCE = "paged_attention.cc"
 ATTENTION_HANDLER = "SpecjaxPagedAttention"
 KV_WRITE_SOURCE = "kv_write.cc"
@@ -38,13 +42,21 @@ class KernelUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class QuantKernels:
-    """Registered FFI targets (CPU platform): one per block format (GGUF Q4_0, Q4_1, Q8_0, and BF16) for
-    model/quant.py, `attention`, paged attention over the KV pool in place, and `kv_write`, a step's K/V rows
+    """Registered FFI targets (CPU platform): one per block format (GGUF Q4_0, Q4_1, Q8_0, and BF16) and
+    activation type (the GGUF formats' int8 variants are keyed "<kind>_I8") for model/quant.py, `attention`, paged attention over the KV pool in place, and `kv_write`, a step's K/V rows
     written into every pool in one call (model/attention.py)."""
 
     targets: dict[str, str]
     attention: str
     kv_write: str
+
+    def block_targets(self, activations: str) -> dict[str, str]:
+        """Block format -> FFI target for activations "int8" or "float32" (ACTIVATIONS)."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
+        suffix = "_I8" if activations == "int8" else ""
+        return {kind: self.targets.get(kind + suffix, target) for kind, target in self.targets.items()
+                if not kind.endswith("_I8")}
 
 
 def cache_dir() -> str:

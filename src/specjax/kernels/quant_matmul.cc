@@ -14,6 +14,13 @@
 // (Q4: 16 bytes, low nibbles = weights 0..15 of the block, high nibbles = 16..31; Q8: 32 int8; BF16: 32 uint16),
 // scales d and (Q4_1) mins m as float32 [O, I/32] (none for BF16).  Rows are split over the XLA:CPU intra-op
 // thread pool.
+//
+// The GGUF kinds also have an int8-activation variant (handlers *I8, llama.cpp's scheme): each token's activations
+// are quantized per block of 32 (scale amax / 127, round to nearest even), a block's codes multiply them as bytes
+// into int32 (AVX-512 VNNI vpdpbusd, else AVX2 vpmaddubsw + vpmaddwd; exact), and each block's sum is scaled by
+// d * dx in float32.  Q4_1's min term uses the exact float sums of x's blocks.  ~1e-3 of sum |w x| from the
+// float32 product, and faster: the inner loop does 32-64 products per instruction instead of 16.  A token's result
+// still depends on nothing but its own activations.
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -64,43 +71,116 @@ inline void Dequant(const Weights& w, int64_t r, int64_t b, Vec* out) {
   }
 }
 
-// One row x TB tokens; xt is token-major [TB, I] (row stride I), y is [O, M] (row stride M).  Each token has one
-// accumulator that takes the block's vectors in order: the same sums whatever TB is.  One row at a time: tiles of
-// 2-4 rows (x loaded once for them) measured 1.1-2.4x slower on Zen 4 (a Q8_0 or BF16 matrix at M = 1, a 1536-wide
-// Q4_1 one), and no faster anywhere (one core, every kind and M = 1, 2, 4).
+// A call's activations as the row tiles read them: float32, token-major [M, I] (row stride I); or (int8 variants)
+// quantized per block, laid out per pair of blocks p (2p, 2p + 1) to match a pair's unpacked Q4 codes:
+// q [M, P, 64] bytes [q_2p[0..15], q_2p+1[0..15], q_2p[16..31], q_2p+1[16..31]], scale [M, P, 8] (lanes 0-3 dx_2p,
+// 4-7 dx_2p+1; 0 past the last block) and corr [M, B8] (per block: Q4_1 the float sum of x, Q4_0 -8 * dx * sum q).
+struct Acts {
+  const float* xt;
+  int64_t I;
+  const int8_t* q;
+  const float* scale;
+  const float* corr;
+  int64_t P, B8;
+};
+
+// One row x TB tokens (t0 .. t0 + TB - 1), y is [O, M] (row stride M).  Each token has one accumulator that takes
+// the block's vectors in order: the same sums whatever TB is.  One row at a time: tiles of 2-4 rows (x loaded once
+// for them) measured 1.1-2.4x slower on Zen 4 (a Q8_0 or BF16 matrix at M = 1, a 1536-wide Q4_1 one), and no faster
+// anywhere (one core, every kind and M = 1, 2, 4).
 template <Kind K, int TB>
-inline void Tile(const Weights& w, int64_t r, const float* xt, int64_t I, float* y, int64_t M) {
+inline void Tile(const Weights& w, int64_t r, const Acts& a, int64_t t0, float* y, int64_t M) {
+  const float* xt = a.xt + t0 * a.I;
   Vec acc[TB];
   for (int t = 0; t < TB; ++t) acc[t] = Zero();
   for (int64_t b = 0; b < w.blocks; ++b) {
     Vec wv[kVecs];
     Dequant<K>(w, r, b, wv);
     for (int j = 0; j < kVecs; ++j)
-      for (int t = 0; t < TB; ++t) acc[t] = Fma(wv[j], Load(xt + t * I + b * 32 + j * kLanes), acc[t]);
+      for (int t = 0; t < TB; ++t) acc[t] = Fma(wv[j], Load(xt + t * a.I + b * 32 + j * kLanes), acc[t]);
   }
-  for (int t = 0; t < TB; ++t) y[r * M + t] = Sum(acc[t]);
+  for (int t = 0; t < TB; ++t) y[r * M + t0 + t] = Sum(acc[t]);
 }
 
+// The int8 variant of Tile: per pair of blocks, the codes as unsigned bytes (u0: weights 0..15 of both blocks, u1:
+// 16..31), Q8_0's through |w| and the sign moved onto x (|w| <= 128 keeps vpmaddubsw's pair sums unsaturated).
 template <Kind K, int TB>
-void RowsTB(const Weights& w, const float* xt, int64_t I, float* y, int64_t M, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) Tile<K, TB>(w, r, xt, I, y, M);
+inline void Tile8(const Weights& w, int64_t r, const Acts& a, int64_t t0, float* y, int64_t M) {
+  static_assert(K != kBF16, "bfloat16 weights take float32 activations");
+  __m256 acc[TB];
+  const int8_t* xq[TB];
+  const float* xs[TB];
+  for (int t = 0; t < TB; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    xq[t] = a.q + (t0 + t) * a.P * 64;
+    xs[t] = a.scale + (t0 + t) * a.P * 8;
+  }
+  const int64_t B = w.blocks;
+  for (int64_t p = 0; p < a.P; ++p) {
+    const int64_t blk = r * B + 2 * p;
+    const bool two = 2 * p + 1 < B;
+    const float d1 = two ? w.scales[blk + 1] : 0.0f;
+    const __m256 wd = _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(w.scales[blk]));
+    __m256i u0, u1, s0, s1;
+    if constexpr (K == kQ8_0) {
+      const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + blk * 32));
+      const __m256i c1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + blk * 32 + 32))
+                             : _mm256_setzero_si256();
+      s0 = _mm256_permute2x128_si256(c0, c1, 0x20);
+      s1 = _mm256_permute2x128_si256(c0, c1, 0x31);
+      u0 = _mm256_abs_epi8(s0);
+      u1 = _mm256_abs_epi8(s1);
+    } else {
+      const __m256i c = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + blk * 16))
+                            : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + blk * 16)));
+      const __m256i low4 = _mm256_set1_epi8(0x0F);
+      u0 = _mm256_and_si256(c, low4);
+      u1 = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
+    }
+    for (int t = 0; t < TB; ++t) {
+      __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq[t] + p * 64));
+      __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq[t] + p * 64 + 32));
+      if constexpr (K == kQ8_0) {
+        x0 = _mm256_sign_epi8(x0, s0);
+        x1 = _mm256_sign_epi8(x1, s1);
+      }
+      const __m256i dot = DotBytes(DotBytes(_mm256_setzero_si256(), u0, x0), u1, x1);
+      const __m256 s = _mm256_mul_ps(wd, _mm256_load_ps(xs[t] + p * 8));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[t]);
+    }
+  }
+  const float* per_block = K == kQ4_1 ? w.mins + r * B : w.scales + r * B;
+  for (int t = 0; t < TB; ++t) {
+    float v = Sum8(acc[t]);
+    if constexpr (K != kQ8_0) v += DotFloats(per_block, a.corr + (t0 + t) * a.B8, B);
+    y[r * M + t0 + t] = v;
+  }
+}
+
+template <Kind K, bool Int8, int TB>
+void RowsTB(const Weights& w, const Acts& a, int64_t t0, float* y, int64_t M, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    if constexpr (Int8) {
+      Tile8<K, TB>(w, r, a, t0, y, M);
+    } else {
+      Tile<K, TB>(w, r, a, t0, y, M);
+    }
+  }
 }
 
 constexpr int64_t kRowBlock = 16;  // rows whose codes one token tile after another reads: a thread's work item
 
 // Rows [r0, r1): blocks of kRowBlock rows outer, token tiles of 4 inner, so a block's codes are read from memory once.
-template <Kind K>
-void Rows(const Weights& w, const float* xt, int64_t I, float* y, int64_t M, int64_t r0, int64_t r1) {
+template <Kind K, bool Int8>
+void Rows(const Weights& w, const Acts& a, float* y, int64_t M, int64_t r0, int64_t r1) {
   for (int64_t b = r0; b < r1; b += kRowBlock) {
     const int64_t e = b + kRowBlock < r1 ? b + kRowBlock : r1;
     for (int64_t t0 = 0; t0 < M; t0 += 4) {
-      const float* xs = xt + t0 * I;
-      float* ys = y + t0;
       switch (M - t0 < 4 ? M - t0 : 4) {
-        case 1: RowsTB<K, 1>(w, xs, I, ys, M, b, e); break;
-        case 2: RowsTB<K, 2>(w, xs, I, ys, M, b, e); break;
-        case 3: RowsTB<K, 3>(w, xs, I, ys, M, b, e); break;
-        default: RowsTB<K, 4>(w, xs, I, ys, M, b, e); break;
+        case 1: RowsTB<K, Int8, 1>(w, a, t0, y, M, b, e); break;
+        case 2: RowsTB<K, Int8, 2>(w, a, t0, y, M, b, e); break;
+        case 3: RowsTB<K, Int8, 3>(w, a, t0, y, M, b, e); break;
+        default: RowsTB<K, Int8, 4>(w, a, t0, y, M, b, e); break;
       }
     }
   }
@@ -138,21 +218,71 @@ struct Split {
   alignas(64) std::atomic<int64_t> left;  // groups not finished yet: the caller returns when none is
 };
 
-template <Kind K>
-void Work(Split& s, int64_t k, const Weights& w, const float* xt, int64_t I, float* y, int64_t M, int64_t O) {
+template <Kind K, bool Int8>
+void Work(Split& s, int64_t k, const Weights& w, const Acts& a, float* y, int64_t M, int64_t O) {
   const int64_t n = static_cast<int64_t>(s.ranges.size());
   int64_t done = 0;
   for (int64_t d = 0; d < n; ++d) {
     int64_t g;
     while (s.Take((k + d) % n, d == 0, &g)) {
-      Rows<K>(w, xt, I, y, M, g * kRowBlock, (g + 1) * kRowBlock < O ? (g + 1) * kRowBlock : O);
+      Rows<K, Int8>(w, a, y, M, g * kRowBlock, (g + 1) * kRowBlock < O ? (g + 1) * kRowBlock : O);
       ++done;
     }
   }
   if (done > 0) s.left.fetch_sub(done, std::memory_order_release);
 }
 
+// One token's block of 32 activations quantized: q's bytes 0..15 to lo, 16..31 to hi; -> dx, the float sum of x
+// and the sum of q.  dx = amax / 127, q = round-to-nearest-even(x * (1 / dx)) (0 for an all-zero block).
+inline float QuantizeBlock(const float* x, int8_t* lo, int8_t* hi, float* sum_x, int32_t* sum_q) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4];
+  for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
+  const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                                    _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float dx = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))) / 127.0f;
+  const __m256 inv = _mm256_set1_ps(dx > 0.0f ? 1.0f / dx : 0.0f);
+  __m256i q[4];
+  for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));  // MXCSR: nearest even
+  const __m256i packed = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(packed));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(packed, 1));
+  *sum_x = Sum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  *sum_q = SumInt8(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+  return dx;
+}
+
+// The int8 activations of x (token-major [M, I]) into `a`, backed by the three vectors.
 template <Kind K>
+void QuantizeActs(const float* xt, int64_t I, int64_t M, std::vector<int8_t, Aligned64<int8_t>>& q, Floats& scale,
+                  Floats& corr, Acts& a) {
+  const int64_t B = I / 32, P = (B + 1) / 2, B8 = (B + 7) / 8 * 8;
+  q.assign(M * P * 64, 0);
+  scale.assign(M * P * 8, 0.0f);
+  corr.assign(M * B8, 0.0f);
+  for (int64_t t = 0; t < M; ++t) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t p = b / 2, half = b % 2;
+      int8_t* pair = q.data() + (t * P + p) * 64 + 16 * half;
+      float sum_x;
+      int32_t sum_q;
+      const float dx = QuantizeBlock(xt + t * I + b * 32, pair, pair + 32, &sum_x, &sum_q);
+      for (int l = 0; l < 4; ++l) scale[(t * P + p) * 8 + 4 * half + l] = dx;
+      corr[t * B8 + b] = K == kQ4_1 ? sum_x : -8.0f * dx * static_cast<float>(sum_q);
+    }
+  }
+  a.q = q.data();
+  a.scale = scale.data();
+  a.corr = corr.data();
+  a.P = P;
+  a.B8 = B8;
+}
+
+template <Kind K, bool Int8>
 ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
   const int64_t O = y->dimensions()[0], M = y->dimensions()[1], I = w.blocks * 32;
   if (x.dimensions()[0] != I || x.dimensions()[1] != M) {
@@ -166,58 +296,68 @@ ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, 
       for (int64_t t = 0; t < M; ++t) scratch[t * I + i] = xt[i * M + t];
     xt = scratch.data();
   }
+  Acts a{xt, I, nullptr, nullptr, nullptr, 0, 0};
+  std::vector<int8_t, Aligned64<int8_t>> q8;
+  Floats scale, corr;
+  if constexpr (Int8) QuantizeActs<K>(xt, I, M, q8, scale, corr, a);
   float* out = y->typed_data();
   int64_t n = pool.num_threads();
   if (n < 1) n = 1;
   if (n > O / 64) n = O / 64 > 0 ? O / 64 : 1;
   auto split = std::make_shared<Split>((O + kRowBlock - 1) / kRowBlock, n);
   for (int64_t k = 1; k < n; ++k) {
-    pool.Schedule([split, k, w, xt, I, out, M, O] { Work<K>(*split, k, w, xt, I, out, M, O); });
+    pool.Schedule([split, k, w, a, out, M, O] { Work<K, Int8>(*split, k, w, a, out, M, O); });
   }
-  Work<K>(*split, 0, w, xt, I, out, M, O);
+  Work<K, Int8>(*split, 0, w, a, out, M, O);
   while (split->left.load(std::memory_order_acquire) > 0) Pause();
   return ffi::Error::Success();
 }
 
+template <bool Int8>
 ffi::Error Q4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
                 ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
   Weights w{codes.typed_data(), scales.typed_data(), nullptr, scales.dimensions()[1]};
-  return Run<kQ4_0>(pool, w, x, y);
+  return Run<kQ4_0, Int8>(pool, w, x, y);
 }
 
+template <bool Int8>
 ffi::Error Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
                 ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
   Weights w{codes.typed_data(), scales.typed_data(), mins.typed_data(), scales.dimensions()[1]};
-  return Run<kQ4_1>(pool, w, x, y);
+  return Run<kQ4_1, Int8>(pool, w, x, y);
 }
 
+template <bool Int8>
 ffi::Error Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scales,
                 ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
   Weights w{reinterpret_cast<const uint8_t*>(codes.typed_data()), scales.typed_data(), nullptr,
             scales.dimensions()[1]};
-  return Run<kQ8_0>(pool, w, x, y);
+  return Run<kQ8_0, Int8>(pool, w, x, y);
 }
 
 ffi::Error BF16(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::F32> x,
                 ffi::ResultBuffer<ffi::F32> y) {
   Weights w{reinterpret_cast<const uint8_t*>(codes.typed_data()), nullptr, nullptr, codes.dimensions()[1]};
-  return Run<kBF16>(pool, w, x, y);
+  return Run<kBF16, false>(pool, w, x, y);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_0, Q4_0,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_1, Q4_1,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ8_0, Q8_0,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define SPECJAX_Q4_0_BINDING                                                                                   \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+#define SPECJAX_Q4_1_BINDING                                                                                   \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+#define SPECJAX_Q8_0_BINDING                                                                                   \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>().Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_0, Q4_0<false>, SPECJAX_Q4_0_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_1, Q4_1<false>, SPECJAX_Q4_1_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ8_0, Q8_0<false>, SPECJAX_Q8_0_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_0I8, Q4_0<true>, SPECJAX_Q4_0_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_1I8, Q4_1<true>, SPECJAX_Q4_1_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ8_0I8, Q8_0<true>, SPECJAX_Q8_0_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBF16, BF16,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());

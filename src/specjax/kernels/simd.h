@@ -165,6 +165,36 @@ class Q4Values {
 
 inline void Pause() { _mm_pause(); }
 
+// 256-bit helpers of the int8-activation products, the same on both builds (an AVX-512 CPU has AVX2).
+inline float Sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline int32_t SumInt8(__m256i v) {  // the sum of 8 int32 lanes
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+// acc + the sums of 4 adjacent products of unsigned bytes u and signed bytes s, per int32 lane, exact where no
+// pair of products exceeds int16 (|u| <= 128, |s| <= 127): vpdpbusd with AVX-512 VNNI, else vpmaddubsw + vpmaddwd.
+inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+// sum_i a[i] * b[i], i < n (b 32-byte aligned): 8 lanes, then the rest in order.
+inline float DotFloats(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_load_ps(b + i), acc);
+  float s = Sum8(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 // Kernel scratch on 64-byte boundaries (a cache line): a vector load that straddles two lines costs two, and
 // malloc's 16-byte alignment made most of a 4-token product's activation loads straddle (up to ~20% of it on Zen 4).
 template <class T>

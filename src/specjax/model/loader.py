@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from specjax.config import ConfigError, ModelConfig, RopeConfig, replace
 from specjax.hostmem import release_freed_memory
+from specjax.kernels import ACTIVATIONS
 from specjax.model import hub
 from specjax.model.quant import HostBlocks, QuantMatrix, to_device
 from specjax.model.target import TargetLayer, TargetWeights, fused_row_order, gate_up_parts, qkv_parts
@@ -50,6 +51,16 @@ class LoadedModel:
         """Whether the projections run on the GGUF-block CPU kernels (model/quant.py)."""
         return self.weights.head_blocks is not None or any(
             isinstance(w, QuantMatrix) for w in (self.weights.layers[0].w_qkv, self.weights.layers[0].w_down))
+
+    @property
+    def kernel_activations(self) -> str | None:
+        """"int8" or "float32": how the GGUF-block kernels take their activations; None without them."""
+        from specjax.kernels import quant_kernels
+
+        w = self.weights.layers[0].w_qkv
+        if not isinstance(w, QuantMatrix):
+            return None
+        return "int8" if w.target in quant_kernels().block_targets("int8").values() else "float32"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -354,9 +365,11 @@ class LazyDequant:
         return arr if dtype is None else arr.astype(dtype, copy=False)
 
 
-def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = False) -> LoadedModel:
+def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = False,
+              activations: str = "int8") -> LoadedModel:
     """`quant_kernels`: also keep the matrices stored in a kernel's block format (Q4_0, Q4_1, Q8_0) as blocks,
-    for the CPU kernels (model/quant.py), when they can run here (one device, float32)."""
+    for the CPU kernels (model/quant.py), when they can run here (one device, float32); `activations`: how those
+    kernels take their inputs ("int8" per block of 32, llama.cpp's scheme, or "float32"; kernels.ACTIVATIONS)."""
     from specjax.kernels import quant_kernels as built_kernels
     from specjax.model.gguf_file import GGUFFile
     from specjax.model.quant import BLOCK_LAYOUT
@@ -384,7 +397,8 @@ def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = Fal
                 q = HostBlocks(q.kind, *(a if a is None else unpermute_llama_qk(a, heads)
                                          for a in (q.codes, q.scales, q.mins)))
             blocks[name] = q
-    cfg, weights = assemble_target(cfg, tensors, path, dtype, mesh, blocks, kernels and kernels.targets)
+    cfg, weights = assemble_target(cfg, tensors, path, dtype, mesh, blocks,
+                                   kernels and kernels.block_targets(activations))
     return LoadedModel(cfg, weights, Tokenizer.from_gguf(reader, path), path, mesh)
 
 
@@ -412,11 +426,14 @@ def default_model_path() -> str:
     return path
 
 
-def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kernels: bool = False) -> LoadedModel:
+def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kernels: bool = False,
+               activations: str = "int8") -> LoadedModel:
     """Load a target from a HF directory, a .gguf file, a hub name ("org/name[@revision]", see model/hub.py), or
     (None / "default") the embedded SmolLM2.  `quant_kernels`: run a GGUF file's block-quantized matrices and
     (any target's) paged attention on the CPU kernels where they can run (see load_gguf); inference only (training
-    wants plain arrays)."""
+    wants plain arrays); `activations`: how the GGUF-block kernels take their inputs (see load_gguf)."""
+    if activations not in ACTIVATIONS:
+        raise ConfigError(f"unknown kernel activations {activations!r} (choose from {', '.join(ACTIVATIONS)})")
     if path in (None, "default"):
         path = default_model_path()
     path = hub.resolve(path, "model")
@@ -425,7 +442,7 @@ def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kern
     elif os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise CheckpointError(f"model file must be a .gguf (or pass a HF model directory): {path}")
-        model = load_gguf(path, dtype, mesh, quant_kernels)
+        model = load_gguf(path, dtype, mesh, quant_kernels, activations)
     else:
         raise CheckpointError(f"model path does not exist: {path}")
     if quant_kernels and mesh is None and dtype == jnp.float32:  # attention and K/V writes in place, either format
