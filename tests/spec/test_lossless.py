@@ -174,3 +174,48 @@ def test_steps_padded_into_larger_ready_shapes_stay_lossless(setup, ar_greedy, a
     assert engine.programs.foreground_builds == 0 and set(engine.programs.ready) == built
     assert set(engine.programs.runs) == built and engine.num_steps["decode"] > 10
     assert engine.allocator.num_used == 0
+
+
+def test_int8_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dirs, tmp_path):
+    """The default CPU runtime of a GGUF target: every product on the int8-activation kernels, where a one-ulp
+    difference upstream can move an activation across a rounding boundary (docs/results/kflat.md, session 31).
+    So every row must be computed the same way whatever shares its step: batched plain decoding equals each
+    request decoded alone, and DFlash batched (block 8: up to 40 verified rows, wider than the float32 kernels
+    take), with only the largest shapes compiled (every step padded), and a noisy oracle with preemption equal it.
+    (Not the cache-free reference loop: its dense XLA attention rounds differently from the paged kernel's.)"""
+    from specjax.engine.programs import StepShape
+    from tests.helpers import kernels_expected, write_gguf_from_hf
+
+    path = str(tmp_path / "llama-Q4_1.gguf")  # head_dim 16: every attention on the kernel (qwen3's 24 is not)
+    write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
+    target = load_model(path, quant_kernels=True)
+    if target.kernel_activations != "int8":
+        assert not kernels_expected(), "the CPU kernels did not build on a machine that has what they need"
+        pytest.skip("the CPU kernels cannot run here")
+    dcfg = drafter_config_for(target.config, num_layers=2, block_size=8, target_layer_ids=(0, 2), mask_token_id=299,
+                              mask_embedding=False)
+    dweights = init_drafter(dcfg, jax.random.PRNGKey(3), std=0.1)
+    rng = np.random.default_rng(12)
+    prompts = [random_prompt(rng, n) for n in PROMPT_LENS]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
+    ar, _ = run(target, NoProposer(), None, prompts, params, big_pool())
+    outs = [s.output_ids for s in ar]
+    alone = EngineConfig(page_size=8, max_model_len=MAX_LEN, max_num_seqs=1)
+    for i in (1, 3):
+        [seq], _ = run(target, NoProposer(), None, prompts[i:i + 1], params[i:i + 1], alone)
+        assert seq.output_ids == outs[i]
+    spec, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params, big_pool(page_size=4))
+    assert [s.output_ids for s in spec] == outs
+    config = EngineConfig(page_size=4, max_model_len=MAX_LEN, max_num_seqs=8, num_draft_tokens=7)
+    engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 8), dweights, config)
+    full = engine.page_buckets[-1]
+    for shape in (StepShape("prefill", engine.prefill_batch_buckets[-1], engine.prefill_buckets[-1], full, "greedy"),
+                  StepShape("decode", 8, engine.k_options[0], full, "greedy")):
+        engine.programs.build_now(shape)
+    engine.programs.on_demand = True
+    engine.programs.request = lambda shapes: None
+    assert [s.output_ids for s in engine.generate(prompts, params)] == outs
+    config = EngineConfig(page_size=2, num_pages=50, max_model_len=MAX_LEN, max_num_seqs=4)
+    seqs, _ = run(target, NoisyOracle(prompts, outs, k=5), None, prompts, params, config)
+    assert [s.output_ids for s in seqs] == outs
+    assert sum(s.stats.num_preemptions for s in seqs) >= 1

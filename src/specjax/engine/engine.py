@@ -152,7 +152,7 @@ class LLMEngine:
         # Decode steps whose every page read goes to the in-place attention kernel (the CPU kernels, up to its query
         # limit) cost the same at any page-table width: they all pass the widest, one program per (batch, K).
         self.decode_pages_free = (reads_pages_in_place(tweights.attention_kernel, max(self.k_options) + 1, dtype,
-                                                       tcfg.head_dim)
+                                                       tcfg.head_dim, tweights.attention_any_queries)
                                   and self.proposer.pages_in_place(tweights.attention_kernel, dtype))
 
     def memory_bytes(self) -> dict[str, dict[str, int]]:

@@ -105,34 +105,41 @@ def cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, n
 KERNEL_MAX_QUERIES = 8
 
 
-def reads_pages_in_place(kernel: str | None, queries: int, dtype, head_dim: int) -> bool:
-    """Does attention of `queries` rows per sequence over `dtype` pools of `head_dim` go to the in-place kernel?
+def reads_pages_in_place(kernel: str | None, queries: int, dtype, head_dim: int, any_queries: bool = False) -> bool:
+    """Does attention of `queries` rows per sequence over `dtype` pools of `head_dim` go to the in-place kernel
+    (up to KERNEL_MAX_QUERIES of them, or any number with `any_queries`: TargetWeights.attention_any_queries)?
     Its cost then does not depend on the page table's width (it reads each sequence's cached rows only), so a step
     may pass the widest table at no cost; the gathered path copies every page of the table."""
-    return (kernel is not None and queries <= KERNEL_MAX_QUERIES and jnp.dtype(dtype) == jnp.float32
-            and head_dim % 16 == 0 and head_dim <= 256)
+    return (kernel is not None and (queries <= KERNEL_MAX_QUERIES or any_queries)
+            and jnp.dtype(dtype) == jnp.float32 and kernel_fits(head_dim))
 
 
-def paged_attention(q, k_pool, v_pool, page_table, positions, valid, k_new, v_new, scale, kernel=None):
+def kernel_fits(head_dim: int) -> bool:
+    """Can kernels/paged_attention.cc attend over heads of this size?"""
+    return head_dim % 16 == 0 and head_dim <= 256
+
+
+def paged_attention(q, k_pool, v_pool, page_table, positions, valid, k_new, v_new, scale, kernel=None,
+                    any_queries=False):
     """Causal attention of this step's queries q [B, T, N, H] at `positions` [B, T] (consecutive, starting at
     positions[:, 0] = the number of cached tokens) over the cached pages plus the step's own rows k_new, v_new
     [B, T, K, H] (`valid` [B, T] marks real tokens).  Returns [B, T, N, H]."""
     t = q.shape[1]
     new_visible = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None] & valid[:, None, :]  # causal in step
     return pages_and_new_attention(q, k_pool, v_pool, page_table, positions[:, 0], k_new, v_new, new_visible, scale,
-                                   kernel)
+                                   kernel, any_queries)
 
 
 def pages_and_new_attention(q, k_pool, v_pool, page_table, cache_lens, k_new, v_new, new_visible, scale,
-                            kernel=None):
+                            kernel=None, any_queries=False):
     """`cached_and_new_attention` with the cache read from pages: every query of sequence b sees its cached rows
     s < cache_lens[b] [B] and the new rows new_visible [B, T, T2] allows.  `kernel`: the registered FFI target of
     kernels/paged_attention.cc (TargetWeights.attention_kernel), which reads the pages in place and does the whole
     softmax (a row's result then depends only on the keys it sees: verification rows are bit-identical to plain
-    decoding's), for float32 calls of at most KERNEL_MAX_QUERIES queries per sequence; otherwise the pages are
-    gathered and XLA attends over the copy."""
+    decoding's), for float32 calls of at most KERNEL_MAX_QUERIES queries per sequence (any number with
+    `any_queries`); otherwise the pages are gathered and XLA attends over the copy."""
     b, t, n, h = q.shape
-    if not (reads_pages_in_place(kernel, t, k_pool.dtype, h) and q.dtype == jnp.float32):
+    if not (reads_pages_in_place(kernel, t, k_pool.dtype, h, any_queries) and q.dtype == jnp.float32):
         k_cache, v_cache = gather_pages(k_pool, page_table), gather_pages(v_pool, page_table)
         cache_visible = jnp.arange(k_cache.shape[2])[None, :] < cache_lens[:, None]
         return cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible, scale)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.model.quant import linear
 
@@ -11,11 +12,28 @@ from specjax.model.quant import linear
 MASK_VALUE = -1e30
 
 
+def fixed_order_sum(x: jax.Array, axis: int) -> jax.Array:
+    """Sum over `axis` (kept, length 1) in one order whatever the other dimensions are: pairwise halves
+    (elementwise adds) while the length is even, then the rest in sequence.  XLA:CPU picks a reduction's
+    vectorization per shape (a feature-major column's sum over 64 or 576 features changed in the last bit with the
+    number of columns), so with jnp.sum a token's row would depend on how many tokens share its step; behind int8
+    activations one such bit can move a rounding (docs/results/kflat.md, sessions 31 and 45)."""
+    x = jnp.moveaxis(x, axis, 0)
+    while x.shape[0] > 1 and x.shape[0] % 2 == 0:
+        x = x[:x.shape[0] // 2] + x[x.shape[0] // 2:]
+    total = x[0]
+    for i in range(1, x.shape[0]):
+        total = total + x[i]
+    return jnp.expand_dims(total, axis)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax.Array:
     """RMSNorm over `axis` (`weight` broadcast against x), computed in float32 (HF semantics: normalise, cast,
-    then scale)."""
+    then scale), its sum of squares in a fixed order (`fixed_order_sum`: a row's result does not depend on the
+    shape of the batch around it)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
+    mean = fixed_order_sum(xf * xf, axis) / np.float32(xf.shape[axis])
+    xf = xf * jax.lax.rsqrt(mean + eps)
     return weight * xf.astype(x.dtype)
 
 

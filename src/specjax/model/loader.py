@@ -22,6 +22,7 @@ from specjax.config import ConfigError, ModelConfig, RopeConfig, replace
 from specjax.hostmem import release_freed_memory
 from specjax.kernels import ACTIVATIONS
 from specjax.model import hub
+from specjax.model.attention import kernel_fits
 from specjax.model.quant import HostBlocks, QuantMatrix, to_device
 from specjax.model.target import TargetLayer, TargetWeights, fused_row_order, gate_up_parts, qkv_parts
 from specjax.model.tokenizer import Tokenizer
@@ -55,12 +56,10 @@ class LoadedModel:
     @property
     def kernel_activations(self) -> str | None:
         """"int8" or "float32": how the GGUF-block kernels take their activations; None without them."""
-        from specjax.kernels import quant_kernels
-
         w = self.weights.layers[0].w_qkv
         if not isinstance(w, QuantMatrix):
             return None
-        return "int8" if w.target in quant_kernels().block_targets("int8").values() else "float32"
+        return "int8" if w.int8 else "float32"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -159,12 +158,13 @@ class TensorReader:
 
 def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str, dtype=jnp.float32,
                     mesh=None, blocks: dict[str, HostBlocks] | None = None,
-                    kernels: dict[str, str] | None = None) -> tuple[ModelConfig, TargetWeights]:
+                    kernels: dict[str, str] | None = None,
+                    int8: bool = False) -> tuple[ModelConfig, TargetWeights]:
     """Build TargetWeights from HF-named [out, in] arrays, checking names and shapes against `cfg`; with a
     `mesh`, split over it for tensor parallelism (specjax/parallel.py).  `blocks` (GGUF block-quantized copies of
     some matrices, by HF name) and `kernels` (FFI target per block format, specjax/kernels) make those matrices
-    QuantMatrix (model/quant.py) when all parts of a projection have them.  -> (cfg with its tensor_parallel
-    set, weights)."""
+    QuantMatrix (model/quant.py) when all parts of a projection have them (`int8`: those targets take int8
+    activations).  -> (cfg with its tensor_parallel set, weights)."""
     cfg = replace(cfg, tensor_parallel=mesh_size(mesh))
     reader = TensorReader(tensors, source)
     take = reader.take
@@ -176,7 +176,7 @@ def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: st
         if not parts or any(p is None or p.kind not in kernels for p in parts):
             return placed
         fused = HostBlocks.stack(parts)
-        return to_device(fused if rows is None else fused.rows(rows), placed, kernels[fused.kind])
+        return to_device(fused if rows is None else fused.rows(rows), placed, kernels[fused.kind], int8)
 
     d, v, h, f = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
     qs, kvs = cfg.q_size, cfg.kv_size
@@ -382,6 +382,12 @@ def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = Fal
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from None
     cfg = gguf_model_config(reader, path)
     kernels = built_kernels() if quant_kernels and mesh is None and dtype == jnp.float32 else None
+    if kernels is not None and activations == "int8" and not kernel_fits(cfg.head_dim):
+        # int8 activations need every row of a step computed on its own (a last-bit difference can move a
+        # rounding); XLA's gathered attention, which heads the attention kernel cannot take use, is not
+        log.warning("head_dim %d does not fit the attention kernel: GGUF block kernels take float32 activations",
+                    cfg.head_dim)
+        activations = "float32"
     tensors, blocks = {}, {}
     for t in reader.tensors:
         if t.name in GGUF_IGNORED:
@@ -398,7 +404,7 @@ def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = Fal
                                          for a in (q.codes, q.scales, q.mins)))
             blocks[name] = q
     cfg, weights = assemble_target(cfg, tensors, path, dtype, mesh, blocks,
-                                   kernels and kernels.block_targets(activations))
+                                   kernels and kernels.block_targets(activations), activations == "int8")
     return LoadedModel(cfg, weights, Tokenizer.from_gguf(reader, path), path, mesh)
 
 
@@ -451,7 +457,8 @@ def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kern
         kernels = built_kernels()
         if kernels is not None:
             model = dataclasses.replace(model, weights=dataclasses.replace(
-                model.weights, attention_kernel=kernels.attention, kv_write_kernel=kernels.kv_write))
+                model.weights, attention_kernel=kernels.attention, kv_write_kernel=kernels.kv_write,
+                attention_any_queries=model.kernel_activations == "int8"))
     jax.block_until_ready(model.weights)  # transfers done: the checkpoint's host copies are gone ...
     release_freed_memory()  # ... and their pages go back to the OS instead of staying resident
     return model

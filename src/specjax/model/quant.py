@@ -4,9 +4,9 @@ A `QuantMatrix` keeps a [O, I] weight twice: its GGUF blocks (codes, float32 sca
 weight), or for a bfloat16 drafter its bfloat16 bits (2 bytes), for the kernels of specjax/kernels/quant_matmul.cc,
 and the float32 matrix (the same values, bit for bit) for XLA.  `linear` and `head_product` are the drafters' and
 heads' views of the same product.  A product with few tokens (decoding, verification, small batches) reads the
-blocks: it is bound by the bytes of weights it streams, ~6x fewer than float32.  Wider products (prefill, large
-batches) are compute-bound and XLA's float32 dot is faster there.  The split is a static shape test,
-`KERNEL_MAX_TOKENS`.
+blocks: it is bound by the bytes of weights it streams, ~6x fewer than float32.  With float32 activations, wider
+products (prefill, large batches) are compute-bound and XLA's float32 dot is faster there (a static shape test,
+`KERNEL_MAX_TOKENS`); the int8-activation kernels take every product (QuantMatrix.int8).
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ class QuantMatrix:
     mins: jax.Array | None  # [O, I/32] float32 (Q4_1) or None
     dense: jax.Array  # [O, I] float32: the same weights dequantized
     target: str = dataclasses.field(metadata=dict(static=True))  # registered FFI target of the kernel
+    # the kernel quantizes activations to int8 (kernels.block_targets("int8")): then every product goes to it, of
+    # any width, since XLA's float32 product of the dense copy would be another function of x (a row's result must
+    # not depend on how many rows share its step: losslessness); it is as fast as XLA's dot up to 64 tokens
+    int8: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -76,12 +80,13 @@ class HostBlocks:
                           np.concatenate([p.scales for p in parts], axis=0), mins)
 
 
-def to_device(blocks: HostBlocks, dense: jax.Array, target: str) -> QuantMatrix:
-    """`dense`: the same matrix already on the device (float32; shared, not copied)."""
+def to_device(blocks: HostBlocks, dense: jax.Array, target: str, int8: bool = False) -> QuantMatrix:
+    """`dense`: the same matrix already on the device (float32; shared, not copied); `int8`: `target` is an
+    int8-activation kernel (QuantMatrix.int8)."""
     if tuple(dense.shape) != (blocks.codes.shape[0], blocks.codes.shape[1] * 32) or dense.dtype != jnp.float32:
         raise ValueError(f"dense {dense.dtype}{tuple(dense.shape)} does not match the blocks {blocks.codes.shape}")
     mins = None if blocks.mins is None else jnp.asarray(blocks.mins)
-    return QuantMatrix(jnp.asarray(blocks.codes), jnp.asarray(blocks.scales), mins, dense, target)
+    return QuantMatrix(jnp.asarray(blocks.codes), jnp.asarray(blocks.scales), mins, dense, target, int8)
 
 
 def dense(w) -> jax.Array:
@@ -120,7 +125,7 @@ def take_rows(w, ids: jax.Array):
     def take(a):
         return None if a is None else jnp.take(a, ids, axis=0)
 
-    return QuantMatrix(take(w.codes), take(w.scales), take(w.mins), take(w.dense), w.target)
+    return QuantMatrix(take(w.codes), take(w.scales), take(w.mins), take(w.dense), w.target, w.int8)
 
 
 def head_product(w, rows: jax.Array) -> jax.Array:
@@ -133,8 +138,10 @@ def head_product(w, rows: jax.Array) -> jax.Array:
 
 
 def matmul(w, x: jax.Array) -> jax.Array:
-    """W[O, I] @ x[I, M] -> [O, M]: the kernel for a QuantMatrix and M <= KERNEL_MAX_TOKENS, else XLA."""
-    if not isinstance(w, QuantMatrix) or x.shape[1] > KERNEL_MAX_TOKENS or x.dtype != jnp.float32:
+    """W[O, I] @ x[I, M] -> [O, M]: the kernel for a QuantMatrix and M <= KERNEL_MAX_TOKENS (any M for an int8
+    one), else XLA."""
+    if (not isinstance(w, QuantMatrix) or x.dtype != jnp.float32
+            or (x.shape[1] > KERNEL_MAX_TOKENS and not w.int8)):
         return dense(w) @ x
     return kernel_product(w, x)
 

@@ -79,6 +79,9 @@ class TargetWeights:
     attention_kernel: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     # ... and of the kernel that writes a step's K/V rows into every pool in one call (kernels/kv_write.cc)
     kv_write_kernel: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # every attention of a forward goes to that kernel, prefill chunks included (int8 activations: a row's result
+    # must not depend on its step's shape, and XLA's gathered attention rounds differently from the kernel)
+    attention_any_queries: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def vocab_rows(self) -> jax.Array:
@@ -133,9 +136,9 @@ class ForwardBatch:
 
 
 def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, batch: ForwardBatch, cos, sin,
-                    kernel: str | None = None):
+                    kernel: str | None = None, any_queries: bool = False):
     """Pre-norm attention of one layer over the pages plus the new rows.  x: [D, B*T] -> (x, k_new, v_new).
-    `kernel`: TargetWeights.attention_kernel."""
+    `kernel`, `any_queries`: TargetWeights.attention_kernel, .attention_any_queries."""
     b, t = batch.tokens.shape
     g = cfg.tensor_parallel
     xn = rms_norm(x, layer.attn_norm[:, None], cfg.rms_norm_eps, axis=0)
@@ -152,7 +155,7 @@ def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, bat
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o = paged_attention(q, k_pool, v_pool, batch.page_table, batch.positions, batch.slots >= 0, k, v,
-                        cfg.head_dim ** -0.5, kernel)
+                        cfg.head_dim ** -0.5, kernel, any_queries)
     return x + matmul(layer.w_o, o.reshape(b * t, cfg.q_size).T), k, v
 
 
@@ -178,7 +181,8 @@ def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: Model
     taps = {0: x} if 0 in tap_indices else {}
     new_k, new_v = [], []
     for i, layer in enumerate(weights.layers):
-        x, k_new, v_new = attention_block(layer, cfg, x, kv.k[i], kv.v[i], batch, cos, sin, weights.attention_kernel)
+        x, k_new, v_new = attention_block(layer, cfg, x, kv.k[i], kv.v[i], batch, cos, sin, weights.attention_kernel,
+                                          weights.attention_any_queries)
         x = mlp_block(layer, cfg, x)
         new_k.append(k_new)
         new_v.append(v_new)
