@@ -110,7 +110,8 @@ def main() -> int:
             sides["xla"] = [jnp.array(dense[s]) for s in chain_shapes]
         step = jax.jit(chain)
         report = {"a": args.a, "b": args.b, "a_activations": args.a_activations,
-                  "b_activations": args.b_activations, "part": args.part, "threads": len(os.sched_getaffinity(0)), "m": {}}
+                  "b_activations": args.b_activations, "part": args.part,
+                  "threads": len(os.sched_getaffinity(0)), "m": {}}
         for m in [int(v) for v in args.m.split(",")]:
             x = jnp.asarray(rng.standard_normal((max(s[2] for s in chain_shapes), m)).astype(np.float32))
             times = {tag: [] for tag in sides}

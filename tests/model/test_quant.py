@@ -70,8 +70,9 @@ def test_int8_kernel_matches_the_int8_scheme(kernels, kind):
     sums), odd and even block counts (a last block without a pair), every token-tile width, and products wider than
     KERNEL_MAX_TOKENS (int8 matrices take every product: none goes to XLA's float32 dot); each token's column is
     bit-identical whatever the number of tokens sharing the call, and the product stays within 5% of sum |w x| of
-    the float32 one (0.1-2.3%: one block of 32 the worst).  Column 5 is zero (dx = 0), column 6 has one huge value (its block's other values quantize to 0: far from
-    the float32 product, which is the scheme's, not the kernel's, error)."""
+    the float32 one (0.1-2.3%: one block of 32 the worst).  Column 5 is zero (dx = 0), column 6 has one huge value
+    (its block's other values quantize to 0: far from the float32 product, which is the scheme's, not the kernel's,
+    error)."""
     for rows, cols in [(37, 64), (200, 96), (130, 32), (48, 576)]:
         w, dense = quantized_matrix(kind, rows, cols, kernels, activations="int8")
         x = np.random.default_rng(1).standard_normal((cols, 3 * KERNEL_MAX_TOKENS + 1)).astype(np.float32)

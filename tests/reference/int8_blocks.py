@@ -8,8 +8,8 @@ import numpy as np
 def quantize_blocks(x: np.ndarray):
     """x [I, M] float32 -> (q [M, B, 32] int64, dx [M, B] float32): dx = amax / 127, q = rint(x * (1 / dx)) in
     float32, round half to even; an all-zero block has dx 0 and q 0."""
-    I, M = x.shape
-    xb = x.T.reshape(M, I // 32, 32)
+    n, m = x.shape
+    xb = x.T.reshape(m, n // 32, 32)
     dx = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
     inv = np.divide(np.float32(1), dx, out=np.zeros_like(dx), where=dx > 0)
     return np.rint(xb * inv[..., None]).astype(np.int64), dx

@@ -43,8 +43,9 @@ class KernelUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class QuantKernels:
     """Registered FFI targets (CPU platform): one per block format (GGUF Q4_0, Q4_1, Q8_0, and BF16) and
-    activation type (the GGUF formats' int8 variants are keyed "<kind>_I8") for model/quant.py, `attention`, paged attention over the KV pool in place, and `kv_write`, a step's K/V rows
-    written into every pool in one call (model/attention.py)."""
+    activation type (the GGUF formats' int8 variants are keyed "<kind>_I8") for model/quant.py, `attention`,
+    paged attention over the KV pool in place, and `kv_write`, a step's K/V rows written into every pool in one
+    call (model/attention.py)."""
 
     targets: dict[str, str]
     attention: str
