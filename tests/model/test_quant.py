@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.config import EngineConfig
+from specjax.config import ConfigError, EngineConfig
 from specjax.engine.engine import LLMEngine
 from specjax.kernels import KernelUnavailable, build, quant_kernels
 from specjax.model import target as tgt
@@ -100,6 +100,8 @@ def test_activation_modes_choose_the_handlers(kernels):
     assert all(int8[k] != f32[k] for k in KINDS) and int8["BF16"] == f32["BF16"]
     with pytest.raises(ValueError, match="activations must be one of int8, float32"):
         kernels.block_targets("fp8")
+    with pytest.raises(ConfigError, match="unknown kernel activations 'fp8'"):
+        load_model("default", quant_kernels=True, activations="fp8")
 
 
 def test_wide_products_use_the_dense_matrix(kernels):

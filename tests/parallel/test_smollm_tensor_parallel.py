@@ -1,5 +1,6 @@
 """The embedded SmolLM2-135M (3 KV heads) split over 3 virtual CPU devices: `specjax generate
---tensor-parallel-size 3` prints the same answer as one device (plain decoding here, to keep the suite short;
+--tensor-parallel-size 3` prints the same answer as one device with float32 activations (plain decoding here, to
+keep the suite short;
 DFlash with the shipped drafter is the same check on the tiny models in test_tensor_parallel.py, and was run by
 hand with default settings: docs/parallel.md)."""
 
@@ -19,8 +20,11 @@ def test_generate_tp3_prints_what_one_device_prints(smollm_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3", JAX_PLATFORMS="cpu")
     results = {}
     for tp in (1, 3):
+        # float32 activations: a split target runs XLA's float32 products (the GGUF kernels are for one device),
+        # which one device's int8-activation kernels (the default) would not reproduce token for token
         proc = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", "--tensor-parallel-size", str(tp),
-                               "--method", "ar", "--max-new-tokens", "40", "--json", "--compile-cache", "", PROMPT],
+                               "--method", "ar", "--max-new-tokens", "40", "--json", "--compile-cache", "",
+                               "--kernel-activations", "float32", PROMPT],
                               env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[tp] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -48,8 +48,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_quant_kernel_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-kernels", default=True, action=argparse.BooleanOptionalAction,
                    help="GGUF targets: multiply Q4_0/Q4_1/Q8_0 weights in their blocks with specjax's CPU kernels "
-                        "for steps of up to 12 tokens (float32, one device, AVX-512F or AVX2 + FMA; else XLA on "
-                        "float32 copies)")
+                        "(every product with int8 activations, up to 12 tokens with float32 ones; float32, one "
+                        "device, AVX-512F or AVX2 + FMA; else XLA on float32 copies)")
     p.add_argument("--kernel-activations", default="int8", choices=ACTIVATIONS,
                    help="how those kernels take their activations: int8 per block of 32 (llama.cpp's scheme, "
                         "faster; ~1e-3 relative error in a product) or float32 (the float32 product of the "

@@ -20,7 +20,7 @@
 // into int32 (AVX-512 VNNI vpdpbusd, else AVX2 vpmaddubsw + vpmaddwd; exact, Q4_0's offset of 8 included), and each
 // block's sum is scaled by d * dx in float32; Q4_1's min term uses the exact float sums of x's blocks.  ~1e-3 of
 // sum |w x| from the float32 product, and faster: 32 products per instruction instead of 8-16, 256 bits wide on
-// both builds (512-bit pairs of blocks measured 8-33% slower on Zen 4).  A token's result still depends on nothing
+// both builds (pairs of blocks in 512-bit registers measured up to 33% slower on Zen 4).  A token's result still depends on nothing
 // but its own activations.
 #include <atomic>
 #include <cstdint>
@@ -106,10 +106,10 @@ inline void Tile(const Weights& w, int64_t r, const Acts& a, int64_t t0, float* 
   for (int t = 0; t < TB; ++t) y[r * M + t0 + t] = Sum(acc[t]);
 }
 
-// The int8 variant of Tile: per pair of blocks, the codes as unsigned bytes (u0: weights 0..15 of both blocks, u1:
-// 16..31), Q8_0's through |w| and the sign moved onto x (|w| <= 128 keeps vpmaddubsw's pair sums unsaturated).
 inline __m256i Load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// The int8 variant of Tile: per pair of blocks, the codes as unsigned bytes (u0: weights 0..15 of both blocks, u1:
+// 16..31), Q8_0's through |w| and the sign moved onto x (|w| <= 128 keeps vpmaddubsw's pair sums unsaturated).
 template <Kind K, int TB>
 inline void Tile8(const Weights& w, int64_t r, const Acts& a, int64_t t0, float* y, int64_t M) {
   static_assert(K != kBF16, "bfloat16 weights take float32 activations");

@@ -384,7 +384,7 @@ def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = Fal
     kernels = built_kernels() if quant_kernels and mesh is None and dtype == jnp.float32 else None
     if kernels is not None and activations == "int8" and not kernel_fits(cfg.head_dim):
         # int8 activations need every row of a step computed on its own (a last-bit difference can move a
-        # rounding); XLA's gathered attention, which heads the attention kernel cannot take use, is not
+        # rounding), and XLA's gathered attention, which such heads would use, does not compute rows that way
         log.warning("head_dim %d does not fit the attention kernel: GGUF block kernels take float32 activations",
                     cfg.head_dim)
         activations = "float32"
