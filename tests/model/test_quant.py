@@ -78,8 +78,9 @@ def test_int8_kernel_matches_the_int8_scheme(kernels, kind):
         x = np.random.default_rng(1).standard_normal((cols, 3 * KERNEL_MAX_TOKENS + 1)).astype(np.float32)
         x[:, 5] = 0
         x[3, 6] = 1e4
-        mins = None if w.mins is None else np.asarray(w.mins)
-        want = int8_product(kind, np.asarray(w.codes), np.asarray(w.scales), mins, x)
+        mins = None if w.mins is None else np.asarray(w.mins).view(np.float16).astype(np.float32)
+        want = int8_product(kind, np.asarray(w.codes), np.asarray(w.scales).view(np.float16).astype(np.float32), mins,
+                            x)
         bound = np.abs(dense).astype(np.float64) @ np.abs(x).astype(np.float64)
         terms = bound if mins is None else bound + 2 * np.repeat(np.abs(mins), 32, axis=1) @ np.abs(x)  # q d and m
         alone = [np.asarray(jax.jit(matmul)(w, jnp.asarray(x[:, j:j + 1]))) for j in range(x.shape[1])]

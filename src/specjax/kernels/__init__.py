@@ -79,6 +79,8 @@ def cpu_flags() -> str:
 def simd_isa(flags: str) -> str | None:
     """The vector instruction set the kernels build for on a CPU with these /proc/cpuinfo flags, or None."""
     names = set(flags.split())
+    if "f16c" not in names:  # the GGUF scales stay float16 (every AVX2 or AVX-512 CPU has it)
+        return None
     if "avx512f" in names:
         return "AVX-512F"
     if {"avx2", "fma"} <= names:

@@ -12,8 +12,9 @@
 //
 // Layout (prepared at load time by specjax.model.quant): codes [O, I/32, bytes of one block's codes]
 // (Q4: 16 bytes, low nibbles = weights 0..15 of the block, high nibbles = 16..31; Q8: 32 int8; BF16: 32 uint16),
-// scales d and (Q4_1) mins m as float32 [O, I/32] (none for BF16).  Rows are split over the XLA:CPU intra-op
-// thread pool.
+// scales d and (Q4_1) mins m as GGUF stores them, float16 bits [O, I/32] (none for BF16; converted exactly, F16C:
+// float32 copies made a Q4_1 block 24 bytes instead of 20, and decoding streams every block).  Rows are split over
+// the XLA:CPU intra-op thread pool.
 //
 // The GGUF kinds also have an int8-activation variant (handlers *I8, llama.cpp's scheme): each token's activations
 // are quantized per block of 32 (scale amax / 127, round to nearest even), a block's codes multiply them as bytes
@@ -40,8 +41,11 @@ enum Kind { kQ4_0, kQ4_1, kQ8_0, kBF16 };
 
 struct Weights {
   const uint8_t* codes;
-  const float* scales;  // not BF16
-  const float* mins;    // Q4_1 only
+  const uint16_t* scales;  // float16 bits; not BF16
+  const uint16_t* mins;    // Q4_1 only
+
+  float Scale(int64_t blk) const { return _cvtsh_ss(scales[blk]); }
+  float Min(int64_t blk) const { return _cvtsh_ss(mins[blk]); }
   int64_t blocks;       // I / 32
 };
 
@@ -58,11 +62,10 @@ inline void Dequant(const Weights& w, int64_t r, int64_t b, Vec* out) {
   if constexpr (K == kBF16) {
     for (int j = 0; j < kVecs; ++j) out[j] = BF16ToFloat(reinterpret_cast<const uint16_t*>(c) + j * kLanes);
   } else if constexpr (K == kQ8_0) {
-    const Vec d = Set1(w.scales[blk]);
+    const Vec d = Set1(w.Scale(blk));
     for (int j = 0; j < kVecs; ++j) out[j] = Mul(ToFloat(I8ToI32(c + j * kLanes)), d);
   } else {  // a Q4 block: low nibbles are weights 0..15, high nibbles 16..31
-    const Q4Values values = K == kQ4_0 ? Q4Values::Centered(w.scales[blk])
-                                       : Q4Values::Affine(w.scales[blk], w.mins[blk]);
+    const Q4Values values = K == kQ4_0 ? Q4Values::Centered(w.Scale(blk)) : Q4Values::Affine(w.Scale(blk), w.Min(blk));
     constexpr int half = kVecs / 2;
     for (int j = 0; j < half; ++j) {
       const IVec v = U8ToI32(c + j * kLanes);
@@ -125,8 +128,8 @@ inline void Tile8(const Weights& w, int64_t r, const Acts& a, int64_t t0, float*
   for (int64_t p = 0; p < a.P; ++p) {
     const int64_t blk = r * B + 2 * p;
     const bool two = 2 * p + 1 < B;
-    const float d1 = two ? w.scales[blk + 1] : 0.0f;
-    const __m256 wd = _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(w.scales[blk]));
+    const float d1 = two ? w.Scale(blk + 1) : 0.0f;
+    const __m256 wd = _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(w.Scale(blk)));
     __m256i u0, u1, s0, s1;
     if constexpr (K == kQ8_0) {
       const __m256i c0 = Load256(w.codes + blk * 32);
@@ -158,7 +161,7 @@ inline void Tile8(const Weights& w, int64_t r, const Acts& a, int64_t t0, float*
   }
   for (int t = 0; t < TB; ++t) {
     float v = Sum8(acc[t]);
-    if constexpr (K == kQ4_1) v += DotFloats(w.mins + r * B, a.sums + (t0 + t) * a.B8, B);
+    if constexpr (K == kQ4_1) v += DotHalves(w.mins + r * B, a.sums + (t0 + t) * a.B8, B);
     y[r * M + t0 + t] = v;
   }
 }
@@ -328,21 +331,21 @@ ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, 
 }
 
 template <bool Int8>
-ffi::Error Q4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
+ffi::Error Q4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U16> scales,
                 ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
   Weights w{codes.typed_data(), scales.typed_data(), nullptr, scales.dimensions()[1]};
   return Run<kQ4_0, Int8>(pool, w, x, y);
 }
 
 template <bool Int8>
-ffi::Error Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
-                ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U16> scales,
+                ffi::Buffer<ffi::U16> mins, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
   Weights w{codes.typed_data(), scales.typed_data(), mins.typed_data(), scales.dimensions()[1]};
   return Run<kQ4_1, Int8>(pool, w, x, y);
 }
 
 template <bool Int8>
-ffi::Error Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scales,
+ffi::Error Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::U16> scales,
                 ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
   Weights w{reinterpret_cast<const uint8_t*>(codes.typed_data()), scales.typed_data(), nullptr,
             scales.dimensions()[1]};
@@ -358,13 +361,13 @@ ffi::Error BF16(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> codes, ffi::Buffer<f
 }  // namespace
 
 #define SPECJAX_Q4_0_BINDING                                                                                   \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::F32>>()                \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::U16>>()                \
       .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
 #define SPECJAX_Q4_1_BINDING                                                                                   \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::F32>>()                \
-      .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::U16>>()                \
+      .Arg<ffi::Buffer<ffi::U16>>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
 #define SPECJAX_Q8_0_BINDING                                                                                   \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>().Arg<ffi::Buffer<ffi::F32>>()                \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>().Arg<ffi::Buffer<ffi::U16>>()                \
       .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_0, Q4_0<false>, SPECJAX_Q4_0_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_1, Q4_1<false>, SPECJAX_Q4_1_BINDING);

@@ -1,6 +1,6 @@
 """Block-quantized weight matrices on the device, and `matmul`, the one product every target projection uses.
 
-A `QuantMatrix` keeps a [O, I] weight twice: its GGUF blocks (codes, float32 scales and mins; 0.6-1.1 bytes per
+A `QuantMatrix` keeps a [O, I] weight twice: its GGUF blocks (codes, float16 scales and mins; 0.56-1.06 bytes per
 weight), or for a bfloat16 drafter its bfloat16 bits (2 bytes), for the kernels of specjax/kernels/quant_matmul.cc,
 and the float32 matrix (the same values, bit for bit) for XLA.  `linear` and `head_product` are the drafters' and
 heads' views of the same product.  A product with few tokens (decoding, verification, small batches) reads the
@@ -32,8 +32,8 @@ BLOCK_LAYOUT = {"Q4_0": (18, 2, False), "Q4_1": (20, 4, True), "Q8_0": (34, 2, F
 class QuantMatrix:
     codes: jax.Array  # [O, I/32, 16] uint8 (Q4: low nibbles = weights 0..15 of a block), [O, I/32, 32] int8 (Q8_0)
     #                   or [O, I/32, 32] uint16 (bfloat16 bits)
-    scales: jax.Array | None  # [O, I/32] float32, None for bfloat16
-    mins: jax.Array | None  # [O, I/32] float32 (Q4_1) or None
+    scales: jax.Array | None  # [O, I/32] uint16: the file's float16 bits; None for bfloat16
+    mins: jax.Array | None  # [O, I/32] uint16 float16 bits (Q4_1) or None
     dense: jax.Array  # [O, I] float32: the same weights dequantized
     target: str = dataclasses.field(metadata=dict(static=True))  # registered FFI target of the kernel
     # the kernel quantizes activations to int8 (kernels.block_targets("int8")): then every product goes to it, of
@@ -61,8 +61,8 @@ class HostBlocks:
         """data: a GGUF tensor's bytes [O, I/32 * block bytes]."""
         size, start, has_min = BLOCK_LAYOUT[kind]
         blocks = np.asarray(data).reshape(data.shape[0], -1, size)
-        scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
-        mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32) if has_min else None
+        scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.uint16)[..., 0]  # float16 bits, as the file has them
+        mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)[..., 0] if has_min else None
         codes = np.ascontiguousarray(blocks[..., start:])
         return cls(kind, codes.view(np.int8) if kind == "Q8_0" else codes, scales, mins)
 
