@@ -10,7 +10,9 @@ step, so a kernel change shows at the resolution a full `specjax analyze kflat` 
     taskset -c 1 python scripts/kernel_chain_ab.py ...   # one core
 
 A revision's kernel is built from its kernels/quant_matmul.cc and headers (`git show`); WORKTREE means the working
-tree.  Each reports the median and minimum over reps of the whole chain (ms) and B's speedup over A.
+tree.  The blocks are this checkout's (model/quant.HostBlocks): revisions before 0b8db41 take float32 scales, later
+ones the file's float16 bits, so compare revisions on the same side of that change.  Each reports the median and
+minimum over reps of the whole chain (ms) and B's speedup over A.
 """
 
 import argparse
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels import QUANT_HANDLERS, build
+from specjax.kernels import ACTIVATIONS, QUANT_HANDLERS, build, handler_key
 from specjax.model.gguf_file import dequantize
 from specjax.model.quant import HostBlocks, kernel_product, to_device
 
@@ -62,7 +64,7 @@ def register(rev: str, tag: str, tmp: str, activations: str) -> None:
     source = kernel_sources(rev, os.path.join(tmp, tag))
     lib = ctypes.CDLL(build(source, jax.ffi.include_dir(), os.path.join(tmp, tag, "build"), "g++", tag))
     for kind in ("Q4_1", "Q8_0"):
-        handler = QUANT_HANDLERS[kind + ("_I8" if activations == "int8" else "")]
+        handler = QUANT_HANDLERS[handler_key(kind, activations)]
         jax.ffi.register_ffi_target(f"chain_{tag}_{kind}", jax.ffi.pycapsule(getattr(lib, handler)), platform="cpu")
 
 
@@ -85,8 +87,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.add_argument("--xla", action="store_true", help="also time XLA's float32 dot on the dequantized matrices")
-    p.add_argument("--a-activations", default="float32", choices=["float32", "int8"])
-    p.add_argument("--b-activations", default="float32", choices=["float32", "int8"])
+    p.add_argument("--a-activations", default="float32", choices=ACTIVATIONS)
+    p.add_argument("--b-activations", default="float32", choices=ACTIVATIONS)
     p.add_argument("--part", default="all", choices=["all", "layers", "head"],
                    help="the whole chain, its 120 layer matrices, or the head alone")
     args = p.parse_args()

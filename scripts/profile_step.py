@@ -21,6 +21,8 @@ import tempfile
 
 import jax
 
+from specjax.kernels import ACTIVATIONS
+
 
 def by_kind(trace_dir: str, steps: int) -> list[tuple[str, float, float, float]]:
     """(kind, ms per step, share, thunks per step) over the XLA worker threads of the trace, largest first."""
@@ -49,7 +51,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--quant-kernels", default=True, action=argparse.BooleanOptionalAction)
-    p.add_argument("--kernel-activations", default="int8", choices=["int8", "float32"])
+    p.add_argument("--kernel-activations", default="int8", choices=ACTIVATIONS)
     p.add_argument("--out", default=None, help="keep the trace here (default: a temporary directory)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--drafter", nargs="?", const="default", default=None,

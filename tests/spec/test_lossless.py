@@ -48,6 +48,22 @@ def big_pool(page_size=8):
     return EngineConfig(page_size=page_size, max_model_len=MAX_LEN, max_num_seqs=8)
 
 
+def padded_engine(target, proposer, pweights, config):
+    """An engine with only the largest prefill and decode shapes compiled (K = the first option) and nothing
+    compiled on demand: every step runs padded up to them (batch rows, prefill tokens, page-table width)."""
+    from specjax.engine.programs import StepShape
+
+    engine = LLMEngine(target.config, target.weights, proposer, pweights, config)
+    full = engine.page_buckets[-1]
+    built = {StepShape("prefill", engine.prefill_batch_buckets[-1], engine.prefill_buckets[-1], full, "greedy"),
+             StepShape("decode", config.max_num_seqs, engine.k_options[0], full, "greedy")}
+    for shape in built:
+        engine.programs.build_now(shape)
+    engine.programs.on_demand = True  # adaptive K: choose among ready programs only ...
+    engine.programs.request = lambda shapes: None  # ... and never compile the exact shapes
+    return engine, built
+
+
 @pytest.fixture(scope="module")
 def ar_greedy(setup):
     target, _, _, prompts = setup
@@ -156,19 +172,10 @@ def test_seeded_sampling_equals_plain_sampling(setup, params):
 def test_steps_padded_into_larger_ready_shapes_stay_lossless(setup, ar_greedy, adaptive):
     """With only the largest prefill and decode shapes compiled (and nothing compiled on demand), every step runs
     padded up to them: batch rows, prefill tokens and page-table width.  (Adaptive K can only choose K = 0.)"""
-    from specjax.engine.programs import StepShape
-
     target, dcfg, dweights, prompts = setup
     outs, params = ar_greedy
     config = EngineConfig(page_size=4, max_model_len=MAX_LEN, max_num_seqs=8, num_draft_tokens=5, adaptive_k=adaptive)
-    engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 8), dweights, config)
-    full = engine.page_buckets[-1]  # 24 pages of 4 tokens = MAX_LEN
-    built = {StepShape("prefill", engine.prefill_batch_buckets[-1], engine.prefill_buckets[-1], full, "greedy"),
-             StepShape("decode", 8, engine.k_options[0], full, "greedy")}  # K = 0 (adaptive) or 5
-    for shape in built:
-        engine.programs.build_now(shape)
-    engine.programs.on_demand = True  # adaptive K: choose among ready programs only ...
-    engine.programs.request = lambda shapes: None  # ... and never compile the exact shapes
+    engine, built = padded_engine(target, DFlashProposer(dcfg, 8), dweights, config)  # K = 0 (adaptive) or 5
     seqs = engine.generate(prompts, params)
     assert [s.output_ids for s in seqs] == outs
     assert engine.programs.foreground_builds == 0 and set(engine.programs.ready) == built
@@ -183,7 +190,6 @@ def test_int8_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dir
     request decoded alone, and DFlash batched (block 8: up to 40 verified rows, wider than the float32 kernels
     take), with only the largest shapes compiled (every step padded), and a noisy oracle with preemption equal it.
     (Not the cache-free reference loop: its dense XLA attention rounds differently from the paged kernel's.)"""
-    from specjax.engine.programs import StepShape
     from tests.helpers import kernels_expected, write_gguf_from_hf
 
     path = str(tmp_path / "llama-Q4_1.gguf")  # head_dim 16: every attention on the kernel (qwen3's 24 is not)
@@ -207,14 +213,9 @@ def test_int8_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dir
     spec, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params, big_pool(page_size=4))
     assert [s.output_ids for s in spec] == outs
     config = EngineConfig(page_size=4, max_model_len=MAX_LEN, max_num_seqs=8, num_draft_tokens=7)
-    engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 8), dweights, config)
-    full = engine.page_buckets[-1]
-    for shape in (StepShape("prefill", engine.prefill_batch_buckets[-1], engine.prefill_buckets[-1], full, "greedy"),
-                  StepShape("decode", 8, engine.k_options[0], full, "greedy")):
-        engine.programs.build_now(shape)
-    engine.programs.on_demand = True
-    engine.programs.request = lambda shapes: None
+    engine, built = padded_engine(target, DFlashProposer(dcfg, 8), dweights, config)
     assert [s.output_ids for s in engine.generate(prompts, params)] == outs
+    assert set(engine.programs.runs) == built
     config = EngineConfig(page_size=2, num_pages=50, max_model_len=MAX_LEN, max_num_seqs=4)
     seqs, _ = run(target, NoisyOracle(prompts, outs, k=5), None, prompts, params, config)
     assert [s.output_ids for s in seqs] == outs

@@ -29,6 +29,13 @@ QUANT_HANDLERS = {"Q4_0": "SpecjaxQ4_0", "Q4_1": "SpecjaxQ4_1", "Q8_0": "Specjax
 # How a GGUF block kernel takes its activations: quantized per block of 32 to int8 (llama.cpp's scheme, faster) or
 # as float32 (the dequantized weights' float32 product to rounding).
 ACTIVATIONS = ("int8", "float32")
+
+
+def handler_key(kind: str, activations: str) -> str:
+    """QUANT_HANDLERS' key of block format `kind` with `activations` (BF16 has float32 ones only)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
+    return kind + "_I8" if activations == "int8" and kind + "_I8" in QUANT_HANDLERS else kind
 ATTENTION_SOURCE = "paged_attention.cc"
 ATTENTION_HANDLER = "SpecjaxPagedAttention"
 KV_WRITE_SOURCE = "kv_write.cc"
@@ -53,10 +60,7 @@ class QuantKernels:
 
     def block_targets(self, activations: str) -> dict[str, str]:
         """Block format -> FFI target for activations "int8" or "float32" (ACTIVATIONS)."""
-        if activations not in ACTIVATIONS:
-            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
-        suffix = "_I8" if activations == "int8" else ""
-        return {kind: self.targets.get(kind + suffix, target) for kind, target in self.targets.items()
+        return {kind: self.targets[handler_key(kind, activations)] for kind in self.targets
                 if not kind.endswith("_I8")}
 
 

@@ -457,8 +457,7 @@ def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kern
         kernels = built_kernels()
         if kernels is not None:
             model = dataclasses.replace(model, weights=dataclasses.replace(
-                model.weights, attention_kernel=kernels.attention, kv_write_kernel=kernels.kv_write,
-                attention_any_queries=model.kernel_activations == "int8"))
+                model.weights, attention_kernel=kernels.attention, kv_write_kernel=kernels.kv_write))
     jax.block_until_ready(model.weights)  # transfers done: the checkpoint's host copies are gone ...
     release_freed_memory()  # ... and their pages go back to the OS instead of staying resident
     return model

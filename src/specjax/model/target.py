@@ -79,9 +79,14 @@ class TargetWeights:
     attention_kernel: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     # ... and of the kernel that writes a step's K/V rows into every pool in one call (kernels/kv_write.cc)
     kv_write_kernel: str | None = dataclasses.field(default=None, metadata=dict(static=True))
-    # every attention of a forward goes to that kernel, prefill chunks included (int8 activations: a row's result
-    # must not depend on its step's shape, and XLA's gathered attention rounds differently from the kernel)
-    attention_any_queries: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @property
+    def attention_any_queries(self) -> bool:
+        """Does every attention of a forward go to the kernel, prefill chunks included?  Yes on int8-activation
+        GGUF kernels (QuantMatrix.int8): a row's result must not depend on its step's shape there, and XLA's
+        gathered attention rounds differently with the padding."""
+        w = self.layers[0].w_qkv
+        return self.attention_kernel is not None and isinstance(w, QuantMatrix) and w.int8
 
     @property
     def vocab_rows(self) -> jax.Array:
