@@ -7,7 +7,7 @@ import itertools
 import json
 import sys
 
-from specjax.cli.common import DEFAULT_CACHE, enable_compile_cache
+from specjax.cli.common import DEFAULT_CACHE, add_quant_kernel_arg, enable_compile_cache
 
 
 def cmd_regenerate(args) -> int:
@@ -94,7 +94,11 @@ def cmd_cache_features(args) -> int:
     if args.tensor_parallel_size > 1 and args.data_parallel_size > 1:
         raise SystemExit("error: cache-features splits either the target (--tensor-parallel-size) or the batch "
                          "(--data-parallel-size), not both")
-    target = load_model(args.target, DTYPES["float32"], tensor_parallel_mesh(args.tensor_parallel_size))
+    target = load_model(args.target, DTYPES["float32"], tensor_parallel_mesh(args.tensor_parallel_size),
+                        quant_kernels=args.quant_kernels, activations=args.kernel_activations)
+    if target.quantized_kernels and args.data_parallel_size > 1:
+        raise SystemExit("error: the CPU kernels run the target on one device; --data-parallel-size needs "
+                         "--no-quant-kernels")
     n = target.config.num_layers
     if args.tap_indices:
         taps = tuple(int(x) for x in args.tap_indices.split(","))
@@ -115,6 +119,18 @@ def cmd_cache_features(args) -> int:
     print(json.dumps({"out": args.out, "tap_indices": cache.tap_indices, "rows": int(cache.lengths.sum()),
                       "bytes": int(cache.lengths.sum()) * len(cache.tap_indices) * cache.hidden * 2}))
     return 0
+
+
+def served_target(args, target):
+    """The target as inference runs it (`--quant-kernels`: a GGUF's blocks on the CPU kernels, with
+    `--kernel-activations`), whose taps a drafter reads at inference; `target` itself where no kernels run it."""
+    from specjax.llm import DTYPES
+    from specjax.model.loader import load_model
+
+    if not args.quant_kernels:
+        return target
+    served = load_model(args.target, DTYPES["float32"], quant_kernels=True, activations=args.kernel_activations)
+    return served if served.quantized_kernels else target
 
 
 def draft_vocabulary(store, vocab_size: int, size: int, background=None):
@@ -257,19 +273,28 @@ def cmd_train_drafter(args) -> int:
             prompts = load_eval(name, args.data_dir)[: args.eval_prompts]
             eval_sets[name] = [target.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}])
                                for p in prompts]
+    served = served_target(args, target)
     features = None
     if args.features:
         from specjax.train.features import FeatureCache
 
         features = FeatureCache(args.features)
+        if features.kernel_activations != served.kernel_activations:
+            def describe(a):
+                return f"the CPU kernels with {a} activations" if a else "XLA (float32)"
+            raise SystemExit(f"error: --features {args.features} holds taps of the target on "
+                             f"{describe(features.kernel_activations)}, this run reads taps of the target on "
+                             f"{describe(served.kernel_activations)}: match --quant-kernels / --kernel-activations "
+                             "to the cache's, or build a cache with these")
     heldout = None
     if args.heldout:
         from specjax.train.simtau import HeldOutSet
 
-        heldout = HeldOutSet(target, TokenStore(args.heldout), method.tap_indices, method.sim_span, cfg.max_len)
+        heldout = HeldOutSet(served, TokenStore(args.heldout), method.tap_indices, method.sim_span, cfg.max_len)
     summary = train_drafter(target, store, args.out, method, cfg, args.resume, eval_sets, args.eval_max_new_tokens,
                             args.save_dtype, features=features, init_from=args.init, heldout=heldout,
-                            log_path=args.log, mesh=data_parallel_mesh(args.data_parallel_size))
+                            log_path=args.log, mesh=data_parallel_mesh(args.data_parallel_size),
+                            feature_target=served)
     print(json.dumps(summary))
     return 0
 
@@ -319,6 +344,7 @@ def register(sub) -> None:
     c.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="split each forward's sequences over this many devices (the target replicated)")
     c.add_argument("--compile-cache", default=DEFAULT_CACHE)
+    add_quant_kernel_arg(c)  # the taps of the target as inference runs it (a drafter reads those)
     c.set_defaults(func=cmd_cache_features)
 
     t = sub.add_parser("train-drafter", help="train a DFlash drafter on target-regenerated data (resumable)")
@@ -408,4 +434,5 @@ def register(sub) -> None:
     t.add_argument("--features", default=None, help="feature cache from `specjax cache-features` (default: "
                    "compute target features online, one forward per batch)")
     t.add_argument("--compile-cache", default=DEFAULT_CACHE)
+    add_quant_kernel_arg(t)  # online taps, simulated tau and evaluations on the target as inference runs it
     t.set_defaults(func=cmd_train_drafter)

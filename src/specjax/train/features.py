@@ -35,6 +35,9 @@ class FeatureCache:
         self.tap_indices = tuple(self.meta["tap_indices"])
         self.hidden = self.meta["hidden_size"]
         self.max_len = self.meta["max_len"]
+        # the kernels' activations ("int8" / "float32") when the target ran on the GGUF-block CPU kernels, None for
+        # XLA's float32 forward (caches from before this field)
+        self.kernel_activations = self.meta.get("kernel_activations")
         self.lengths = np.asarray(self.meta["lengths"], np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
         rows = int(self.lengths.sum())
@@ -96,13 +99,14 @@ def build_feature_cache(target, store: TokenStore, out: str, tap_indices, max_le
     lengths = [min(r["length"], max_len) for r in store.index]
     meta_path = os.path.join(out, "meta.json")
     meta = {"tap_indices": list(tap_indices), "hidden_size": hidden, "max_len": max_len, "store": store.path,
-            "store_tokens": store.num_tokens, "lengths": lengths, "done": 0}
+            "store_tokens": store.num_tokens, "lengths": lengths, "done": 0,
+            "kernel_activations": getattr(target, "kernel_activations", None)}
     if os.path.isfile(meta_path):
         with open(meta_path, encoding="utf-8") as fh:
             old = json.load(fh)
-        settings = ("tap_indices", "hidden_size", "max_len")
+        settings = ("tap_indices", "hidden_size", "max_len", "kernel_activations")
         grown = old["lengths"] == lengths[:len(old["lengths"])]  # the store is append-only: keep what is cached
-        if any(old[k] != meta[k] for k in settings) or not grown:
+        if any(old.get(k) != meta[k] for k in settings) or not grown:
             raise ValueError(f"{out} holds a feature cache built with other settings or data; use a new --out")
         meta["done"] = old["done"]
     os.makedirs(out, exist_ok=True)

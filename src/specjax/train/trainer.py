@@ -565,7 +565,7 @@ def last_hours(log_path: str) -> float:
 def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainConfig, resume: bool,
                   eval_sets: dict[str, list[list[int]]], eval_max_new_tokens: int = 96, save_dtype: str = "float32",
                   show_progress: bool = True, features=None, init_from: str | None = None, heldout=None,
-                  log_path: str | None = None, mesh=None) -> dict:
+                  log_path: str | None = None, mesh=None, feature_target=None) -> dict:
     """Train (or resume) a drafter for `target`; writes out_dir/{drafter,checkpoint,log.jsonl,curve.png}.
 
     With `cfg.keep_best`, also out_dir/best-drafter and best.json: the drafter of the highest simulated tau (all
@@ -577,7 +577,10 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     that is always appended to, with cumulative wall-clock hours, so one curve spans many runs (default
     out_dir/log.jsonl, reset by a fresh run, appended to by --resume and --init).  `mesh`: data parallelism,
     each batch split over the mesh's devices (the drafter, optimizer state and frozen target arrays replicated;
-    XLA reduces the gradients), the same losses as one device up to float rounding.
+    XLA reduces the gradients), the same losses as one device up to float rounding.  `feature_target`: the target
+    whose forward gives the online taps and runs the evaluations, when it is not `target` (e.g. the same GGUF on
+    the CPU kernels, as inference runs it: its taps are what the drafter reads there); `target` gives the frozen
+    embedding and head.
     """
     from tqdm import tqdm
 
@@ -594,7 +597,8 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     tcfg = target.config
     if features is not None:
         features.check(store, method.tap_indices, tcfg.hidden_size, cfg.max_len)
-    tap_rms = None if init_from else tap_statistics(target, batches, method.tap_indices, cache=features)
+    served = feature_target if feature_target is not None else target
+    tap_rms = None if init_from else tap_statistics(served, batches, method.tap_indices, cache=features)
     params = method.load(init_from, tcfg) if init_from else method.init_params(jax.random.PRNGKey(cfg.seed), target,
                                                                                 tap_rms)
     opt_state = optimizer.init(params)
@@ -613,6 +617,7 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     with open(os.path.join(out_dir, "train_config.json"), "w") as fh:
         json.dump({"method": method.name, "train": dataclasses.asdict(cfg), "data": store.path,
                    "features": features.path if features is not None else "online", "init_from": init_from,
+                   "feature_kernels": getattr(served, "kernel_activations", None),
                    "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens,
                    "data_parallel_devices": [str(d) for d in (mesh.devices.flat if mesh is not None else [])]},
                   fh, indent=1)
@@ -651,7 +656,7 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     for step in range(step0, cfg.steps):
         tokens, mask, lengths, epoch, idx = batches.batch(step)
         extra = method.host_inputs((cfg.seed, step), mask, lengths)
-        taps = batch_features(target, tokens, idx, method.tap_indices, features)
+        taps = batch_features(served, tokens, idx, method.tap_indices, features)
         inputs = shard_batch((jnp.asarray(tokens), taps, jnp.asarray(mask), jnp.asarray(lengths), extra), mesh)
         scale = 1.0
         if cfg.schedule == "cosine-time":
@@ -681,7 +686,7 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
         if heldout is not None and cfg.sim_every and ((step + 1) % cfg.sim_every == 0 or last):
             simulate(step + 1)
         if eval_sets and ((step + 1) % cfg.eval_every == 0 or last):
-            ev = {name: method.evaluate(target, on_one_device(params), prompts, eval_max_new_tokens)
+            ev = {name: method.evaluate(served, on_one_device(params), prompts, eval_max_new_tokens)
                   for name, prompts in eval_sets.items()}
             write({"step": step + 1, "hours": hours0 + (time.perf_counter() - t_start) / 3600, "eval": ev})
             bar.write(f"step {step + 1}: " + ", ".join(f"tau[{k}]={v['tau']:.2f}" for k, v in ev.items()))
