@@ -41,3 +41,20 @@ def test_generate_adaptive_k_gives_the_plain_decoding_text(tiny_dirs, tmp_path, 
         errs.append(err)
     assert texts[0] == texts[1]
     assert "dflash (block 4, K=3), adaptive K in (0, 1, 3)" in errs[1]
+
+
+def test_generate_saves_its_step_programs_and_the_next_run_loads_them(tiny_dirs, tmp_path, capsys):
+    """--compile-cache DIR: the step programs go to DIR-programs (jax's own cache stays off in this process), and
+    a second run loads each of them (the same files, not rewritten) and prints the same text."""
+    import os
+
+    common = ["generate", "abc", "--model", tiny_dirs["llama"], "--method", "ar", "--max-new-tokens", "6",
+              "--max-model-len", "64", "--compile-cache", str(tmp_path / "xla"), "--json"]
+    texts, entries = [], []
+    for _ in range(2):
+        assert main(common) == 0
+        texts.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"])
+        programs = tmp_path / "xla-programs"
+        entries.append({name: os.stat(programs / name).st_ino for name in os.listdir(programs)})
+    assert texts[0] == texts[1] and len(entries[0]) >= 4 and entries[0] == entries[1]
+    assert not (tmp_path / "xla").exists()  # jax's persistent cache was not used

@@ -405,6 +405,9 @@ class EngineConfig:
     """With background compilation (`warmup(..., background=True)`, as `serve` does): most compiled step shapes
     kept, the least recently used beyond it freed (each holds ~35-75 MB of host memory on a 30-layer CPU target);
     0 = keep every one compiled."""
+    program_cache: str | None = None
+    """Directory of compiled step programs saved by earlier runs and loaded without tracing (engine/program_store.py;
+    one device, one process; jax's persistent compilation cache must be off in this process); None = none."""
 
     def __post_init__(self):
         for name in ("page_size", "max_model_len", "max_num_seqs", "prefill_chunk", "min_prefill_bucket"):

@@ -12,6 +12,7 @@ from specjax.cli.common import (
     add_parallel_args,
     add_quant_kernel_arg,
     enable_compile_cache,
+    engine_compile_cache,
     join_processes,
     machine_info,
 )
@@ -35,8 +36,8 @@ def cmd_bench(args) -> int:
         args.datasets = args.datasets or "gsm8k,humaneval,mt_bench"
     num_prompts, max_new = args.num_prompts or 10, args.max_new_tokens or 256
     datasets_arg = args.datasets or "gsm8k,math500,humaneval,mbpp,mt_bench"
-    enable_compile_cache(args.compile_cache)
     join_processes(args)
+    program_cache = engine_compile_cache(args)
     methods = args.methods.split(",")
     if "ar" not in methods:
         methods = ["ar"] + methods  # the baseline every speedup is measured against
@@ -49,7 +50,8 @@ def cmd_bench(args) -> int:
         name, _, k = spec.partition("@")
         k = int(k) if k else (args.num_draft_tokens if name != "ar" else None)
         block = (args.block_size or k + 1) if (name == "dflash" and "@" in spec) else args.block_size
-        cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=k)
+        cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=k,
+                           program_cache=program_cache)
         drafter = {"dflash": args.drafter, "eagle3": args.eagle3_drafter}.get(name)
         llms[spec] = LLM(args.model, drafter, name, block, cfg, args.dtype, target=target,
                          tensor_parallel_size=args.tensor_parallel_size)

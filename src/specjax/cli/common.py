@@ -22,6 +22,21 @@ def enable_compile_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def engine_compile_cache(args) -> str | None:
+    """Persist a command's compiled engine programs across runs (call after join_processes).  An engine on one
+    device in one process keeps its step programs in `<--compile-cache>-programs`, loaded without tracing
+    (engine/program_store.py): that directory is returned (EngineConfig.program_cache), and jax's persistent cache
+    stays off in the process (a program loaded from it cannot be saved again).  Otherwise jax's persistent cache."""
+    import jax
+
+    if not args.compile_cache:
+        return None
+    if jax.process_count() == 1 and getattr(args, "tensor_parallel_size", 1) == 1:
+        return args.compile_cache.rstrip("/\\") + "-programs"
+    enable_compile_cache(args.compile_cache)
+    return None
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model directory, .gguf file, or hub name ORG/NAME[@REVISION] (HF cache; HF_HUB_OFFLINE "

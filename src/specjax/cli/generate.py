@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from specjax.cli.common import StderrProgress, add_model_args, enable_compile_cache, histogram_lines, join_processes
+from specjax.cli.common import StderrProgress, add_model_args, engine_compile_cache, histogram_lines, join_processes
 
 
 def cmd_generate(args) -> int:
@@ -17,15 +17,16 @@ def cmd_generate(args) -> int:
     from specjax.llm import LLM
     from specjax.sampling import GREEDY, SAMPLE, SAMPLE_FILTERED, SamplingParams
 
-    enable_compile_cache(args.compile_cache)
     join_processes(args)
+    program_cache = engine_compile_cache(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     t0 = time.perf_counter()
     llm = LLM(args.model, args.drafter, args.method, args.block_size,
               EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=1,
                            num_draft_tokens=args.num_draft_tokens,
-                           adaptive_k=args.adaptive_k and args.method != "ar"), dtype=args.dtype, seed=args.seed or 0,
+                           adaptive_k=args.adaptive_k and args.method != "ar", program_cache=program_cache),
+              dtype=args.dtype, seed=args.seed or 0,
               ngram=tuple(int(x) for x in args.ngram.split(",")), tensor_parallel_size=args.tensor_parallel_size,
               quant_kernels=args.quant_kernels, kernel_activations=args.kernel_activations)
     load_s = time.perf_counter() - t0

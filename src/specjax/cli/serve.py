@@ -11,7 +11,7 @@ import time
 from specjax.cli.common import (
     StderrProgress,
     add_model_args,
-    enable_compile_cache,
+    engine_compile_cache,
     join_processes,
     machine_info,
     parse_bytes,
@@ -33,7 +33,8 @@ def build_server(args):
                        num_pages=args.num_pages, kv_cache_memory=args.kv_cache_memory,
                        num_draft_tokens=args.num_draft_tokens,
                        adaptive_k=args.adaptive_k and args.method != "ar", prefill_chunk=args.prefill_chunk,
-                       page_bucket_factor=args.page_bucket_factor, max_step_programs=args.max_step_programs)
+                       page_bucket_factor=args.page_bucket_factor, max_step_programs=args.max_step_programs,
+                       program_cache=getattr(args, "program_cache", None))
     import jax
 
     from specjax.config import ConfigError
@@ -112,8 +113,8 @@ def cmd_serve(args) -> int:
             "none": ""}[args.warmup]
     print(f"specjax serve: loading {args.model or 'the embedded SmolLM2-135M-Instruct'}{then}; the port opens when "
           "ready", file=sys.stderr, flush=True)
-    enable_compile_cache(args.compile_cache)
     join_processes(args)
+    args.program_cache = engine_compile_cache(args)
     app, service, llm, _ = build_server(args)
     import jax
 
@@ -141,8 +142,8 @@ def serve_worker(args, method: str, conn) -> None:
     from specjax.bench.serving import running
 
     try:
-        enable_compile_cache(args.compile_cache)
         margs = copy.copy(args)
+        margs.program_cache = engine_compile_cache(args)
         margs.method = method
         app, service, _, name = build_server(margs)
     except Exception as e:  # noqa: BLE001 - the parent reports it with the method's name

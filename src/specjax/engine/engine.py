@@ -24,6 +24,7 @@ from specjax.config import ConfigError, EngineConfig, ModelConfig
 from specjax.engine import runner
 from specjax.engine.buckets import pick_bucket, pow2_buckets
 from specjax.engine.controller import AdaptiveK
+from specjax.engine.program_store import ProgramStore
 from specjax.engine.programs import StepPrograms, StepShape
 from specjax.engine.sequence import Sequence, Status
 from specjax.hostmem import release_zero_pages
@@ -131,6 +132,9 @@ class LLMEngine:
         self._state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                         (self.tweights, self.kv, self.pweights, self.pstate))
         self._inputs_placement = self._inputs_sharding or SingleDeviceSharding(self.kv.k[0].device)
+        # step programs saved by earlier runs, loaded without tracing (one device, one process)
+        self.program_store = (ProgramStore(config.program_cache) if config.program_cache and mesh is None
+                              and not self.lockstep else None)
         self.batch_buckets = pow2_buckets(1, config.max_num_seqs)
         self.prefill_batch_buckets = pow2_buckets(1, min(config.max_prefill_seqs, config.max_num_seqs))
         self.page_buckets = pow2_buckets(1, config.max_pages_per_seq, config.page_bucket_factor)
@@ -260,18 +264,25 @@ class LLMEngine:
         args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._inputs_placement),
                             self._step_args(shape))
         if shape.kind == "prefill":
-            step = runner.prefill_step.lower(*state, *args, tcfg=self.tcfg, proposer=self.proposer,
-                                             mode=shape.mode).compile()
+            static = dict(tcfg=self.tcfg, proposer=self.proposer, mode=shape.mode)
+            step = self._compile(runner.prefill_step, (*state, *args), static)
             _, rows, prows = step.out_info
             slots = pslots = args[0].slots
         else:
-            step = runner.decode_step.lower(*state, *args, tcfg=self.tcfg, proposer=self.proposer,
-                                            num_draft=shape.n, mode=shape.mode).compile()
+            static = dict(tcfg=self.tcfg, proposer=self.proposer, num_draft=shape.n, mode=shape.mode)
+            step = self._compile(runner.decode_step, (*state, *args), static)
             rows, prows, pslots = step.out_info[3:]
             slots = args[0].slots
-        commit = runner.commit.lower(state[1], state[3], slots, rows, pslots, prows,
-                                     kernel=self.tweights.kv_write_kernel).compile()
+        commit = self._compile(runner.commit, (state[1], state[3], slots, rows, pslots, prows),
+                               dict(kernel=self.tweights.kv_write_kernel))
         return step, commit
+
+    def _compile(self, fn, args, static: dict):
+        """AOT-compile jitted `fn` for `args` (ShapeDtypeStructs), through the program store when there is one."""
+        if self.program_store is None:
+            return fn.lower(*args, **static).compile()
+        return self.program_store.get(fn.__name__, sorted(static.items()), args,
+                                      lambda: fn.lower(*args, **static).compile())
 
     def _run(self, shape: StepShape, program, *args):
         """Run a step program on host (numpy) inputs and commit its rows; -> the step's outputs.  On one device
