@@ -13,7 +13,7 @@ from specjax.kernels import KernelUnavailable, build, quant_kernels
 from specjax.model import target as tgt
 from specjax.model.gguf_file import dequantize
 from specjax.model.loader import load_model
-from specjax.model.quant import KERNEL_MAX_TOKENS, HostBlocks, QuantMatrix, matmul, to_device
+from specjax.model.quant import KERNEL_MAX_TOKENS, HostBlocks, QuantMatrix, dense, matmul, to_device
 from specjax.sampling import SamplingParams
 from tests.helpers import FAMILIES, kernels_expected, plain_and_random_dflash, random_prompt, write_gguf_from_hf
 from tests.reference.int8_blocks import int8_product
@@ -171,6 +171,14 @@ def test_quantized_gguf_on_kernels_matches_xla(tiny_dirs, tmp_path, kernels, fam
     assert all(isinstance(getattr(layer, name), QuantMatrix) for layer in fast.weights.layers
                for name in ("w_qkv", "w_o", "w_gate_up", "w_down"))
     assert isinstance(fast.weights.head_blocks, QuantMatrix)
+    # int8 layers keep only their blocks: every product goes to the kernel, a float32 copy would never be read
+    layer = int8.weights.layers[0]
+    names = ("w_qkv", "w_o", "w_gate_up", "w_down")
+    assert all((getattr(layer, n).dense is None) == fits for n in names)
+    assert all(getattr(layer, n).shape == getattr(fast.weights.layers[0], n).shape for n in names)
+    if fits:
+        with pytest.raises(ValueError, match="keeps no float32 copy"):
+            dense(layer.w_qkv)
     ids = random_prompt(np.random.default_rng(0), 9)
     want = short_forward(plain, ids)
     np.testing.assert_allclose(short_forward(fast, ids), want, atol=2e-5, rtol=1e-5)

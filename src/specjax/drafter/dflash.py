@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.config import DrafterConfig
 from specjax.model.attention import KVRows, pages_and_new_attention
@@ -76,7 +77,7 @@ def with_bf16_kernel(weights: DFlashWeights, kernel: str) -> DFlashWeights:
     to [out, in]): a drafter step streams half the bytes of its weights, which are the same weights."""
 
     def streamed(w):
-        q = bf16_matrix(w.T, kernel)
+        q = bf16_matrix(np.asarray(w).T, kernel)  # transposed on the host (an eager transpose compiles per shape)
         return w if q is None else q
 
     names = ("w_q", "w_kv", "w_o", "w_gate_up", "w_down")

@@ -148,6 +148,15 @@ class TensorReader:
         self.used.add(name)
         return np.asarray(arr, dtype=dtype)
 
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        """`take` without the values (a matrix that only its GGUF blocks will hold)."""
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.source}: missing {self.what} {name!r}")
+        if tuple(self.tensors[name].shape) != shape:
+            raise CheckpointError(f"{self.source}: {self.what} {name!r} has shape {tuple(self.tensors[name].shape)}, "
+                                  f"expected {shape}")
+        self.used.add(name)
+
     def unexpected(self, ignored=()) -> list[str]:
         return sorted(k for k in self.tensors if k not in self.used and k not in ignored)
 
@@ -178,6 +187,19 @@ def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: st
         fused = HostBlocks.stack(parts)
         return to_device(fused if rows is None else fused.rows(rows), placed, kernels[fused.kind], int8)
 
+    def projection(parts, placement, rows=None):
+        """A projection of the named parts [(name, shape)] stacked by rows (then reordered by `rows`): on the
+        int8 kernels its blocks alone (every product goes there: no float32 copy to dequantize and hold), else
+        the float32 matrix placed on the device (a QuantMatrix sharing it where the kernels take its blocks)."""
+        names = [n for n, _ in parts]
+        if int8 and all(blocks.get(n) is not None and blocks[n].kind in kernels for n in names):
+            for name, shape in parts:
+                reader.check(name, shape)
+            fused = HostBlocks.stack([blocks[n] for n in names])
+            return to_device(fused if rows is None else fused.rows(rows), None, kernels[fused.kind], int8)
+        whole = np.concatenate([take(n, shape) for n, shape in parts], axis=0)
+        return quantized(dev(whole if rows is None else whole[rows], placement), names, rows)
+
     d, v, h, f = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
     qs, kvs = cfg.q_size, cfg.kv_size
     dev = placer(mesh, cfg, dtype)
@@ -186,23 +208,20 @@ def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: st
     layers = []
     for i in range(cfg.num_layers):
         n = hf_layer_names(i)
-        wq, wk, wv = take(n["q"], (qs, d)), take(n["k"], (kvs, d)), take(n["v"], (kvs, d))
         bias = None
         if cfg.qkv_bias:
             bias = np.concatenate([take(n["q_bias"], (qs,)), take(n["k_bias"], (kvs,)),
                                    take(n["v_bias"], (kvs,))])[qkv_rows]
-        gate_up = np.concatenate([take(n["gate"], (f, d)), take(n["up"], (f, d))], axis=0)
         layers.append(TargetLayer(
             attn_norm=dev(take(n["attn_norm"], (d,)), "replicated"),
-            w_qkv=quantized(dev(np.concatenate([wq, wk, wv], axis=0)[qkv_rows], "rows"), [n["q"], n["k"], n["v"]],
-                            qkv_rows),
+            w_qkv=projection([(n["q"], (qs, d)), (n["k"], (kvs, d)), (n["v"], (kvs, d))], "rows", qkv_rows),
             b_qkv=dev(bias, "rows"),
             q_norm=dev(take(n["q_norm"], (h,)), "replicated") if cfg.qk_norm else None,
             k_norm=dev(take(n["k_norm"], (h,)), "replicated") if cfg.qk_norm else None,
-            w_o=quantized(dev(take(n["o"], (d, qs)), "cols"), [n["o"]]),
+            w_o=projection([(n["o"], (d, qs))], "cols"),
             mlp_norm=dev(take(n["mlp_norm"], (d,)), "replicated"),
-            w_gate_up=quantized(dev(gate_up[gate_up_rows], "rows"), [n["gate"], n["up"]], gate_up_rows),
-            w_down=quantized(dev(take(n["down"], (d, f)), "cols"), [n["down"]]),
+            w_gate_up=projection([(n["gate"], (f, d)), (n["up"], (f, d))], "rows", gate_up_rows),
+            w_down=projection([(n["down"], (d, f))], "cols"),
         ))
     embed = take(HF_GLOBAL_NAMES["embed"], (v, d))
     final_norm = take(HF_GLOBAL_NAMES["final_norm"], (d,))

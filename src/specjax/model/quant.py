@@ -34,7 +34,7 @@ class QuantMatrix:
     #                   or [O, I/32, 32] uint16 (bfloat16 bits)
     scales: jax.Array | None  # [O, I/32] uint16: the file's float16 bits; None for bfloat16
     mins: jax.Array | None  # [O, I/32] uint16 float16 bits (Q4_1) or None
-    dense: jax.Array  # [O, I] float32: the same weights dequantized
+    dense: jax.Array | None  # [O, I] float32: the same weights dequantized; None for an int8 one (never read)
     target: str = dataclasses.field(metadata=dict(static=True))  # registered FFI target of the kernel
     # the kernel quantizes activations to int8 (kernels.block_targets("int8")): then every product goes to it, of
     # any width, since XLA's float32 product of the dense copy would be another function of x (a row's result must
@@ -43,7 +43,7 @@ class QuantMatrix:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.dense.shape
+        return self.codes.shape[0], self.codes.shape[1] * 32  # Q4: 16 bytes of codes hold a block of 32
 
 
 @dataclass(frozen=True)
@@ -80,24 +80,34 @@ class HostBlocks:
                           np.concatenate([p.scales for p in parts], axis=0), mins)
 
 
-def to_device(blocks: HostBlocks, dense: jax.Array, target: str, int8: bool = False) -> QuantMatrix:
-    """`dense`: the same matrix already on the device (float32; shared, not copied); `int8`: `target` is an
-    int8-activation kernel (QuantMatrix.int8)."""
-    if tuple(dense.shape) != (blocks.codes.shape[0], blocks.codes.shape[1] * 32) or dense.dtype != jnp.float32:
+def to_device(blocks: HostBlocks, dense: jax.Array | None, target: str, int8: bool = False) -> QuantMatrix:
+    """`dense`: the same matrix already on the device (float32; shared, not copied), or None for an int8 one (every
+    product goes to the kernel); `int8`: `target` is an int8-activation kernel (QuantMatrix.int8)."""
+    if dense is None and not int8:
+        raise ValueError("a float32-activation QuantMatrix needs its dense copy (wide products run on XLA)")
+    if dense is not None and (tuple(dense.shape) != (blocks.codes.shape[0], blocks.codes.shape[1] * 32)
+                              or dense.dtype != jnp.float32):
         raise ValueError(f"dense {dense.dtype}{tuple(dense.shape)} does not match the blocks {blocks.codes.shape}")
-    mins = None if blocks.mins is None else jnp.asarray(blocks.mins)
-    return QuantMatrix(jnp.asarray(blocks.codes), jnp.asarray(blocks.scales), mins, dense, target, int8)
+    put = jax.device_put  # a transfer; jnp.asarray of these integer arrays compiles a program per shape
+    mins = None if blocks.mins is None else put(blocks.mins)
+    return QuantMatrix(put(blocks.codes), put(blocks.scales), mins, dense, target, int8)
 
 
 def dense(w) -> jax.Array:
     """The float32 (or loaded dtype) [O, I] matrix of a weight, quantized or not."""
-    return w.dense if isinstance(w, QuantMatrix) else w
+    if not isinstance(w, QuantMatrix):
+        return w
+    if w.dense is None:
+        raise ValueError(f"this {w.shape} int8-kernel matrix keeps no float32 copy: its products take float32 "
+                         "activations on the kernel only (load with --kernel-activations float32 for XLA's)")
+    return w.dense
 
 
-def bf16_matrix(w: jax.Array, target: str) -> QuantMatrix | None:
-    """A float32 [O, I] matrix whose values are all bfloat16 numbers (a bfloat16 checkpoint loaded as float32) as a
-    QuantMatrix of its bfloat16 bits for the kernel `target` (half the bytes per product, the same weights), or
-    None when it is not (its values would round) or its rows are not whole blocks of 32."""
+def bf16_matrix(w, target: str) -> QuantMatrix | None:
+    """A float32 [O, I] matrix (on the device or the host) whose values are all bfloat16 numbers (a bfloat16
+    checkpoint loaded as float32) as a QuantMatrix of its bfloat16 bits for the kernel `target` (half the bytes per
+    product, the same weights), or None when it is not (its values would round) or its rows are not whole blocks
+    of 32."""
     host = np.asarray(w)
     if host.dtype != np.float32 or host.ndim != 2 or host.shape[1] % 32:
         return None
@@ -105,7 +115,8 @@ def bf16_matrix(w: jax.Array, target: str) -> QuantMatrix | None:
     if not np.array_equal(half.astype(np.float32), host):
         return None
     codes = half.view(np.uint16).reshape(host.shape[0], host.shape[1] // 32, 32)
-    return QuantMatrix(jnp.asarray(codes), None, None, w, target)
+    dense = w if isinstance(w, jax.Array) else jax.device_put(np.ascontiguousarray(host))
+    return QuantMatrix(jax.device_put(codes), None, None, dense, target)
 
 
 def linear(x: jax.Array, w) -> jax.Array:
@@ -122,8 +133,10 @@ def take_rows(w, ids: jax.Array):
     if not isinstance(w, QuantMatrix):
         return jnp.take(w, ids, axis=0)
 
-    def take(a):
-        return None if a is None else jnp.take(a, ids, axis=0)
+    rows = np.asarray(ids)
+
+    def take(a):  # on the host: a QuantMatrix lives on one CPU device, and an eager take compiles per shape
+        return None if a is None else jax.device_put(np.take(np.asarray(a), rows, axis=0))
 
     return QuantMatrix(take(w.codes), take(w.scales), take(w.mins), take(w.dense), w.target, w.int8)
 
