@@ -112,12 +112,16 @@ class ProgramStore:
                 device = next(iter(jax.tree.leaves(args)[0].sharding.device_set))
                 program = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
                                                                     execution_devices=[device])
-                os.utime(path)  # recently used: the last to age out
                 self.hits += 1
-                return program
             except Exception as e:  # a torn or foreign file: compile instead, and replace it
                 self.errors += 1
                 log.warning("program store entry %s did not load (%s: %s); compiling", path, type(e).__name__, e)
+            else:
+                try:
+                    os.utime(path)  # recently used: the last to age out
+                except OSError:  # aged out by another process meanwhile: the program is loaded all the same
+                    pass
+                return program
         program = compile()
         self.misses += 1
         if jax_cache_on():  # the program may be jax's cache copy, which would save broken: keep it unsaved
