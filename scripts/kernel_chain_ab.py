@@ -12,7 +12,9 @@ step, so a kernel change shows at the resolution a full `specjax analyze kflat` 
 A revision's kernel is built from its kernels/quant_matmul.cc and headers (`git show`); WORKTREE means the working
 tree.  The blocks are this checkout's (model/quant.HostBlocks): revisions before 0b8db41 take float32 scales, later
 ones the file's float16 bits, so compare revisions on the same side of that change.  Each reports the median and
-minimum over reps of the whole chain (ms) and B's speedup over A.
+minimum over reps of the whole chain (ms) and B's speedup over A.  int8 matrices: from this revision on their rows
+are interleaved by 8 (model/quant.interleave), so pair int8 runs of revisions on the same side of that change too
+(across it, A computes on blocks laid out for B: its timing holds, its output does not; use scripts/kflat_ab.py).
 """
 
 import argparse

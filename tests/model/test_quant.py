@@ -13,7 +13,7 @@ from specjax.kernels import KernelUnavailable, build, quant_kernels
 from specjax.model import target as tgt
 from specjax.model.gguf_file import dequantize
 from specjax.model.loader import load_model
-from specjax.model.quant import KERNEL_MAX_TOKENS, HostBlocks, QuantMatrix, dense, matmul, to_device
+from specjax.model.quant import KERNEL_MAX_TOKENS, HostBlocks, QuantMatrix, dense, matmul, plain_blocks, to_device
 from specjax.sampling import SamplingParams
 from tests.helpers import FAMILIES, kernels_expected, plain_and_random_dflash, random_prompt, write_gguf_from_hf
 from tests.reference.int8_blocks import int8_product
@@ -78,9 +78,9 @@ def test_int8_kernel_matches_the_int8_scheme(kernels, kind):
         x = np.random.default_rng(1).standard_normal((cols, 3 * KERNEL_MAX_TOKENS + 1)).astype(np.float32)
         x[:, 5] = 0
         x[3, 6] = 1e4
-        mins = None if w.mins is None else np.asarray(w.mins).view(np.float16).astype(np.float32)
-        want = int8_product(kind, np.asarray(w.codes), np.asarray(w.scales).view(np.float16).astype(np.float32), mins,
-                            x)
+        blocks = plain_blocks(w, kind)  # the kernel's rows are interleaved by 8 (37, 130: a partial last group)
+        mins = None if blocks.mins is None else blocks.mins.view(np.float16).astype(np.float32)
+        want = int8_product(kind, blocks.codes, blocks.scales.view(np.float16).astype(np.float32), mins, x)
         bound = np.abs(dense).astype(np.float64) @ np.abs(x).astype(np.float64)
         terms = bound if mins is None else bound + 2 * np.repeat(np.abs(mins), 32, axis=1) @ np.abs(x)  # q d and m
         alone = [np.asarray(jax.jit(matmul)(w, jnp.asarray(x[:, j:j + 1]))) for j in range(x.shape[1])]
@@ -93,6 +93,27 @@ def test_int8_kernel_matches_the_int8_scheme(kernels, kind):
         exact = dense.astype(np.float64) @ x.astype(np.float64)
         typical = [j for j in range(x.shape[1]) if j not in (5, 6)]
         assert np.max(np.abs(want - exact)[:, typical] / bound[:, typical]) <= 0.05  # measured <= 0.023
+
+
+def test_interleaved_rows_round_trip_and_select(kernels):
+    """The int8 kernels' rows interleaved by 8 (a partial last group padded) hold the blocks the float32 kernels
+    read, and a row selection (a draft vocabulary's head rows) computes each row as the whole matrix does."""
+    from specjax.model.quant import take_rows
+
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((96, 3)).astype(np.float32))
+    for kind in ("Q4_0", "Q4_1", "Q8_0"):
+        w8, _ = quantized_matrix(kind, 13, 96, kernels, seed=4, activations="int8")
+        w32, _ = quantized_matrix(kind, 13, 96, kernels, seed=4)
+        assert w8.shape == w32.shape == (13, 96) and w8.codes.shape[0] == 2
+        a, b = plain_blocks(w8, kind), plain_blocks(w32, kind)
+        for name in ("codes", "scales", "mins"):
+            assert (getattr(a, name) is None) == (getattr(b, name) is None)
+            if getattr(a, name) is not None:
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        ids = jnp.asarray([12, 0, 5, 9, 8], jnp.int32)
+        part = take_rows(w8, ids)
+        assert part.int8 and part.shape == (5, 96)
+        np.testing.assert_array_equal(np.asarray(matmul(part, x)), np.asarray(matmul(w8, x))[np.asarray(ids)])
 
 
 def test_activation_modes_choose_the_handlers(kernels):

@@ -20,9 +20,13 @@
 // are quantized per block of 32 (scale amax / 127, round to nearest even), a block's codes multiply them as bytes
 // into int32 (AVX-512 VNNI vpdpbusd, else AVX2 vpmaddubsw + vpmaddwd; exact, Q4_0's offset of 8 included), and each
 // block's sum is scaled by d * dx in float32; Q4_1's min term uses the exact float sums of x's blocks.  ~1e-3 of
-// sum |w x| from the float32 product, and faster: 32 products per instruction instead of 8-16, 256 bits wide on
-// both builds (pairs of blocks in 512-bit registers measured up to 33% slower on Zen 4).  A token's result still depends on nothing
-// but its own activations.
+// sum |w x| from the float32 product, and faster: 32 products per instruction instead of 8-16.  Their matrices are
+// laid out with the rows interleaved 8 at a time (llama.cpp's repacked layout, made at load time by
+// specjax.model.quant.interleave): for row group g and block b, vector j's 32-bit lane r holds row 8g + r's codes
+// 4j .. 4j + 3 (Q4: low nibbles weights 4j.., high nibbles 16 + 4j..; Q8_0: 8 vectors of bytes), so vpdpbusd of a
+// vector against a token's 4 activation bytes broadcast gives 8 rows' partial sums, and one convert / scale / FMA
+// per block serves 8 rows: 1.2-1.6x the one-row-at-a-time tile on one core at M = 1-8 (docs/results/kflat.md).
+// 256 bits wide on both builds.  A token's result still depends on nothing but its own activations.
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -76,11 +80,9 @@ inline void Dequant(const Weights& w, int64_t r, int64_t b, Vec* out) {
 }
 
 // A call's activations as the row tiles read them: float32, token-major [M, I] (row stride I); or (int8 variants)
-// quantized per block, laid out per pair of blocks p (2p, 2p + 1) to match a pair's unpacked Q4 codes:
-// q [M, P, 64] bytes [q_2p[0..15], q_2p+1[0..15], q_2p[16..31], q_2p+1[16..31]], scale [M, P, 8] (lanes 0-3 dx_2p,
-// 4-7 dx_2p+1; 0 past the last block), Q4_1's sums [M, B8] (the float sum of each block of x, for the min term)
-// and Q4_0's bias [M, P, 8] (int32 lanes 0 and 4: -8 * the sum of q over block 2p, 2p + 1: the codes' offset of 8,
-// exact in the integer sum).
+// quantized per block: q [M, I] bytes in order, scale [M, B] (dx), Q4_1's sums [M, B] (the float sum of each block
+// of x, for the min term) and Q4_0's bias [M, B] (-8 * the sum of the block's q: the codes' offset of 8, exact in the
+// integer sum).
 struct Acts {
   const float* xt;
   int64_t I;
@@ -88,7 +90,6 @@ struct Acts {
   const float* scale;
   const float* sums;
   const int32_t* bias;
-  int64_t P, B8;
 };
 
 // One row x TB tokens (t0 .. t0 + TB - 1), y is [O, M] (row stride M).  Each token has one accumulator that takes
@@ -111,69 +112,67 @@ inline void Tile(const Weights& w, int64_t r, const Acts& a, int64_t t0, float* 
 
 inline __m256i Load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// The int8 variant of Tile: per pair of blocks, the codes as unsigned bytes (u0: weights 0..15 of both blocks, u1:
-// 16..31), Q8_0's through |w| and the sign moved onto x (|w| <= 128 keeps vpmaddubsw's pair sums unsaturated).
+template <Kind K>
+constexpr int64_t GroupBytes() { return K == kQ8_0 ? 256 : 128; }  // 8 interleaved rows' codes of one block
+
+// Rows 8g .. 8g + 7 (interleaved) x TB tokens of an int8 product; rows past O (padding) are not written.  Per block,
+// the codes as unsigned bytes u[j] (Q8_0: |w|, its sign moved onto x: |w| <= 128 keeps vpmaddubsw's pair sums
+// unsaturated) are unpacked once for the TB tokens; each token's 4-byte groups of x are broadcast against them.
 template <Kind K, int TB>
-inline void Tile8(const Weights& w, int64_t r, const Acts& a, int64_t t0, float* y, int64_t M) {
+inline void Group8(const Weights& w, int64_t g, const Acts& a, int64_t t0, float* y, int64_t M, int64_t O) {
   static_assert(K != kBF16, "bfloat16 weights take float32 activations");
-  __m256 acc[TB];
-  const int8_t* xq[TB];
-  const float* xs[TB];
-  for (int t = 0; t < TB; ++t) {
-    acc[t] = _mm256_setzero_ps();
-    xq[t] = a.q + (t0 + t) * a.P * 64;
-    xs[t] = a.scale + (t0 + t) * a.P * 8;
-  }
+  constexpr int kJ = K == kQ8_0 ? 8 : 4;  // vectors of codes per block
   const int64_t B = w.blocks;
-  for (int64_t p = 0; p < a.P; ++p) {
-    const int64_t blk = r * B + 2 * p;
-    const bool two = 2 * p + 1 < B;
-    const float d1 = two ? w.Scale(blk + 1) : 0.0f;
-    const __m256 wd = _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(w.Scale(blk)));
-    __m256i u0, u1, s0, s1;
-    if constexpr (K == kQ8_0) {
-      const __m256i c0 = Load256(w.codes + blk * 32);
-      const __m256i c1 = two ? Load256(w.codes + blk * 32 + 32) : _mm256_setzero_si256();
-      s0 = _mm256_permute2x128_si256(c0, c1, 0x20);
-      s1 = _mm256_permute2x128_si256(c0, c1, 0x31);
-      u0 = _mm256_abs_epi8(s0);
-      u1 = _mm256_abs_epi8(s1);
-    } else {
-      const uint8_t* codes = w.codes + blk * 16;
-      const __m256i c = two ? Load256(codes)
-                            : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-      const __m256i low4 = _mm256_set1_epi8(0x0F);
-      u0 = _mm256_and_si256(c, low4);
-      u1 = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
-    }
-    for (int t = 0; t < TB; ++t) {
-      const __m256i init = K == kQ4_0 ? Load256(a.bias + ((t0 + t) * a.P + p) * 8) : _mm256_setzero_si256();
-      __m256i x0 = Load256(xq[t] + p * 64);
-      __m256i x1 = Load256(xq[t] + p * 64 + 32);
+  __m256 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t gb = g * B + b;
+    const uint8_t* c = w.codes + gb * GroupBytes<K>();
+    __m256i u[8], sg[8];
+    for (int j = 0; j < kJ; ++j) {
+      const __m256i v = Load256(c + 32 * j);
       if constexpr (K == kQ8_0) {
-        x0 = _mm256_sign_epi8(x0, s0);
-        x1 = _mm256_sign_epi8(x1, s1);
+        sg[j] = v;
+        u[j] = _mm256_abs_epi8(v);
+      } else {
+        u[j] = _mm256_and_si256(v, low4);                          // weights 4j .. 4j + 3 of each row
+        u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);  // 16 + 4j .. 16 + 4j + 3
       }
-      const __m256i dot = DotBytes(DotBytes(init, u0, x0), u1, x1);
-      const __m256 s = _mm256_mul_ps(wd, _mm256_load_ps(xs[t] + p * 8));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[t]);
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + gb * 8)));
+    for (int t = 0; t < TB; ++t) {
+      const int64_t tb = (t0 + t) * B + b;
+      const int8_t* x = a.q + tb * 32;  // the block's 32 bytes in order
+      __m256i s = K == kQ4_0 ? _mm256_set1_epi32(a.bias[tb]) : _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        int32_t four;
+        std::memcpy(&four, x + 4 * j, 4);
+        __m256i xv = _mm256_set1_epi32(four);
+        if constexpr (K == kQ8_0) xv = _mm256_sign_epi8(xv, sg[j]);
+        s = DotBytes(s, u[j], xv);
+      }
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[tb])), acc[t]);
+      if constexpr (K == kQ4_1) {
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mins + gb * 8)));
+        acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sums[tb]), acc[t]);
+      }
     }
   }
+  const int64_t valid = O - 8 * g < 8 ? O - 8 * g : 8;
   for (int t = 0; t < TB; ++t) {
-    float v = Sum8(acc[t]);
-    if constexpr (K == kQ4_1) v += DotHalves(w.mins + r * B, a.sums + (t0 + t) * a.B8, B);
-    y[r * M + t0 + t] = v;
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[t]);
+    for (int r = 0; r < valid; ++r) y[(8 * g + r) * M + t0 + t] = out[r];
   }
 }
 
 template <Kind K, bool Int8, int TB>
 void RowsTB(const Weights& w, const Acts& a, int64_t t0, float* y, int64_t M, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    if constexpr (Int8) {
-      Tile8<K, TB>(w, r, a, t0, y, M);
-    } else {
-      Tile<K, TB>(w, r, a, t0, y, M);
-    }
+  if constexpr (Int8) {  // r0 is a multiple of 16, r1 too or O: the groups of 8 in [r0, r1), rows below r1 written
+    for (int64_t g = r0 / 8; 8 * g < r1; ++g) Group8<K, TB>(w, g, a, t0, y, M, r1);
+  } else {
+    for (int64_t r = r0; r < r1; ++r) Tile<K, TB>(w, r, a, t0, y, M);
   }
 }
 
@@ -275,29 +274,25 @@ struct Int8Buffers {
 // The int8 activations of x (token-major [M, I]) into `a`, backed by `buf`.
 template <Kind K>
 void QuantizeActs(const float* xt, int64_t I, int64_t M, Int8Buffers& buf, Acts& a) {
-  const int64_t B = I / 32, P = (B + 1) / 2, B8 = (B + 7) / 8 * 8;
-  buf.q.assign(M * P * 64, 0);
-  buf.scale.assign(M * P * 8, 0.0f);
-  if (K == kQ4_1) buf.sums.assign(M * B8, 0.0f);
-  if (K == kQ4_0) buf.bias.assign(M * P * 8, 0);
+  const int64_t B = I / 32;
+  buf.q.assign(M * I, 0);
+  buf.scale.assign(M * B, 0.0f);
+  if (K == kQ4_1) buf.sums.assign(M * B, 0.0f);
+  if (K == kQ4_0) buf.bias.assign(M * B, 0);
   for (int64_t t = 0; t < M; ++t) {
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t p = b / 2, half = b % 2;
-      int8_t* pair = buf.q.data() + (t * P + p) * 64 + 16 * half;
+      int8_t* q = buf.q.data() + (t * B + b) * 32;
       float sum_x;
       int32_t sum_q;
-      const float dx = QuantizeBlock(xt + t * I + b * 32, pair, pair + 32, &sum_x, &sum_q);
-      for (int l = 0; l < 4; ++l) buf.scale[(t * P + p) * 8 + 4 * half + l] = dx;
-      if (K == kQ4_1) buf.sums[t * B8 + b] = sum_x;
-      if (K == kQ4_0) buf.bias[(t * P + p) * 8 + 4 * half] = -8 * sum_q;
+      buf.scale[t * B + b] = QuantizeBlock(xt + t * I + b * 32, q, q + 16, &sum_x, &sum_q);
+      if (K == kQ4_1) buf.sums[t * B + b] = sum_x;
+      if (K == kQ4_0) buf.bias[t * B + b] = -8 * sum_q;
     }
   }
   a.q = buf.q.data();
   a.scale = buf.scale.data();
   a.sums = buf.sums.data();
   a.bias = buf.bias.data();
-  a.P = P;
-  a.B8 = B8;
 }
 
 template <Kind K, bool Int8>
@@ -314,7 +309,7 @@ ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, 
       for (int64_t t = 0; t < M; ++t) scratch[t * I + i] = xt[i * M + t];
     xt = scratch.data();
   }
-  Acts a{xt, I, nullptr, nullptr, nullptr, nullptr, 0, 0};
+  Acts a{xt, I, nullptr, nullptr, nullptr, nullptr};
   Int8Buffers buf;
   if constexpr (Int8) QuantizeActs<K>(xt, I, M, buf, a);
   float* out = y->typed_data();

@@ -185,18 +185,6 @@ inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-// sum_i a[i] * b[i], i < n, a float16 bits (converted exactly), b float32 32-byte aligned: 8 lanes, then the rest
-// in order.
-inline float DotHalves(const uint16_t* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i))),
-                          _mm256_load_ps(b + i), acc);
-  float s = Sum8(acc);
-  for (; i < n; ++i) s += _cvtsh_ss(a[i]) * b[i];
-  return s;
-}
 
 // Kernel scratch on 64-byte boundaries (a cache line): a vector load that straddles two lines costs two, and
 // malloc's 16-byte alignment made most of a 4-token product's activation loads straddle (up to ~20% of it on Zen 4).

@@ -31,19 +31,22 @@ BLOCK_LAYOUT = {"Q4_0": (18, 2, False), "Q4_1": (20, 4, True), "Q8_0": (34, 2, F
 @dataclass(frozen=True)
 class QuantMatrix:
     codes: jax.Array  # [O, I/32, 16] uint8 (Q4: low nibbles = weights 0..15 of a block), [O, I/32, 32] int8 (Q8_0)
-    #                   or [O, I/32, 32] uint16 (bfloat16 bits)
-    scales: jax.Array | None  # [O, I/32] uint16: the file's float16 bits; None for bfloat16
-    mins: jax.Array | None  # [O, I/32] uint16 float16 bits (Q4_1) or None
+    #                   or [O, I/32, 32] uint16 (bfloat16 bits); int8 ones rows interleaved by 8 (`interleave`):
+    #                   [ceil(O/8), I/32, 128] (Q4) or [ceil(O/8), I/32, 256] (Q8_0)
+    scales: jax.Array | None  # [O, I/32] uint16: the file's float16 bits ([ceil(O/8), I/32, 8] int8); None for bfloat16
+    mins: jax.Array | None  # [O, I/32] uint16 float16 bits (Q4_1; laid out as scales) or None
     dense: jax.Array | None  # [O, I] float32: the same weights dequantized; None for an int8 one (never read)
     target: str = dataclasses.field(metadata=dict(static=True))  # registered FFI target of the kernel
     # the kernel quantizes activations to int8 (kernels.block_targets("int8")): then every product goes to it, of
     # any width, since XLA's float32 product of the dense copy would be another function of x (a row's result must
     # not depend on how many rows share its step: losslessness); it is as fast as XLA's dot up to 64 tokens
     int8: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    rows: int = dataclasses.field(default=0, metadata=dict(static=True))  # O (int8: the codes hold groups of 8)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.codes.shape[1] * 32  # Q4: 16 bytes of codes hold a block of 32
+        rows = self.rows if self.int8 else self.codes.shape[0]
+        return rows, self.codes.shape[1] * 32  # Q4: 16 bytes of codes hold a block of 32
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,49 @@ class HostBlocks:
                           np.concatenate([p.scales for p in parts], axis=0), mins)
 
 
+def interleave(blocks: HostBlocks) -> HostBlocks:
+    """The int8 kernels' layout: rows interleaved 8 at a time (zero rows pad the last group).  For row group g and
+    block b, 32-byte vector j's 4-byte lane r holds row 8g + r's code bytes 4j .. 4j + 3 (kernels/quant_matmul.cc):
+    codes [G, B, 128] (Q4) or [G, B, 256] (Q8_0), scales / mins [G, B, 8]."""
+    o, b, n = blocks.codes.shape
+    g = -(-o // 8)
+
+    def group(a):  # [O, B, ...] -> [G, 8, B, ...], zero rows appended
+        a = np.concatenate([a, np.zeros((g * 8 - o,) + a.shape[1:], a.dtype)]) if g * 8 > o else a
+        return a.reshape((g, 8) + a.shape[1:])
+
+    codes = group(blocks.codes).reshape(g, 8, b, n // 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, b, 8 * n)
+    lanes = (lambda a: None if a is None else np.ascontiguousarray(group(a).transpose(0, 2, 1)))
+    return HostBlocks(blocks.kind, np.ascontiguousarray(codes), lanes(blocks.scales), lanes(blocks.mins))
+
+
+def deinterleave(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, kind: str, rows: int) -> HostBlocks:
+    """`interleave` undone: the [O, B, ...] blocks of an int8 QuantMatrix's arrays."""
+    g, b, n = codes.shape
+    plain = codes.reshape(g, b, n // 32, 8, 4).transpose(0, 3, 1, 2, 4).reshape(g * 8, b, n // 8)[:rows]
+
+    def rows_of(a):
+        return None if a is None else a.transpose(0, 2, 1).reshape(g * 8, b)[:rows]
+
+    return HostBlocks(kind, np.ascontiguousarray(plain), rows_of(scales), rows_of(mins))
+
+
+def plain_blocks(w: QuantMatrix, kind: str) -> HostBlocks:
+    """A GGUF-format QuantMatrix's blocks on the host, [O, B, ...] whatever the kernel's layout."""
+    codes, scales = np.asarray(w.codes), np.asarray(w.scales)
+    mins = None if w.mins is None else np.asarray(w.mins)
+    if w.int8:
+        return deinterleave(codes, scales, mins, kind, w.rows)
+    return HostBlocks(kind, codes, scales, mins)
+
+
+def block_kind(w: QuantMatrix) -> str:
+    """The GGUF format of a QuantMatrix's blocks (Q4_0, Q4_1, Q8_0) or BF16."""
+    if w.scales is None:
+        return "BF16"
+    return "Q8_0" if w.codes.dtype == jnp.int8 else "Q4_1" if w.mins is not None else "Q4_0"
+
+
 def to_device(blocks: HostBlocks, dense: jax.Array | None, target: str, int8: bool = False) -> QuantMatrix:
     """`dense`: the same matrix already on the device (float32; shared, not copied), or None for an int8 one (every
     product goes to the kernel); `int8`: `target` is an int8-activation kernel (QuantMatrix.int8)."""
@@ -89,8 +135,11 @@ def to_device(blocks: HostBlocks, dense: jax.Array | None, target: str, int8: bo
                               or dense.dtype != jnp.float32):
         raise ValueError(f"dense {dense.dtype}{tuple(dense.shape)} does not match the blocks {blocks.codes.shape}")
     put = jax.device_put  # a transfer; jnp.asarray of these integer arrays compiles a program per shape
+    rows = blocks.codes.shape[0]
+    if int8:
+        blocks = interleave(blocks)
     mins = None if blocks.mins is None else put(blocks.mins)
-    return QuantMatrix(put(blocks.codes), put(blocks.scales), mins, dense, target, int8)
+    return QuantMatrix(put(blocks.codes), put(blocks.scales), mins, dense, target, int8, rows if int8 else 0)
 
 
 def dense(w) -> jax.Array:
@@ -138,6 +187,8 @@ def take_rows(w, ids: jax.Array):
     def take(a):  # on the host: a QuantMatrix lives on one CPU device, and an eager take compiles per shape
         return None if a is None else jax.device_put(np.take(np.asarray(a), rows, axis=0))
 
+    if w.int8:  # rows interleaved by 8: cut from the plain blocks, interleaved again
+        return to_device(plain_blocks(w, block_kind(w)).rows(rows), take(w.dense), w.target, True)
     return QuantMatrix(take(w.codes), take(w.scales), take(w.mins), take(w.dense), w.target, w.int8)
 
 
