@@ -94,8 +94,10 @@ def interleave(blocks: HostBlocks) -> HostBlocks:
         a = np.concatenate([a, np.zeros((g * 8 - o,) + a.shape[1:], a.dtype)]) if g * 8 > o else a
         return a.reshape((g, 8) + a.shape[1:])
 
+    def lanes(a):  # [O, B] -> [G, B, 8]
+        return None if a is None else np.ascontiguousarray(group(a).transpose(0, 2, 1))
+
     codes = group(blocks.codes).reshape(g, 8, b, n // 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, b, 8 * n)
-    lanes = (lambda a: None if a is None else np.ascontiguousarray(group(a).transpose(0, 2, 1)))
     return HostBlocks(blocks.kind, np.ascontiguousarray(codes), lanes(blocks.scales), lanes(blocks.mins))
 
 
