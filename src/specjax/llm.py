@@ -80,15 +80,16 @@ def build_proposer(method: str, target: LoadedModel, drafter: str | None, block_
     return DFlashProposer(cfg, block_size or cfg.block_size), weights
 
 
-CPU_FIXED_K = 2  # the best fixed K of the shipped drafter on the 2-core CPU (docs/results/bench-session43)
+CPU_FIXED_K = 3  # the best fixed K of the shipped drafter on the 2-core CPU (docs/results/bench-session46)
 
 
 def default_num_draft(max_draft: int, platform: str) -> int:
     """DFlash drafts verified per step by a fixed-K engine when none is asked for.  On a CPU a verify step costs
-    more with every row (t(4) / t(1) ~1.6 on the CPU kernels, docs/results/kflat.md), and the fixed costs of a
-    step have come down, so K = 2 beat K = 3 on 4 of 5 datasets of the benchmark and on 3 of 4 from launch
-    (docs/results/generate.md; K = 3 won before session 43, K = 7 never did).  Accelerators verify a block of 16
-    for about the price of one token (docs/results/accel.md): the drafter's whole block."""
+    more with every row (t(4) / t(1) ~1.3 on the CPU kernels since their rows are interleaved, ~1.6 before,
+    docs/results/kflat.md): K = 3 beats K = 2 on 3 of 5 datasets of the benchmark (ties math500, loses mt_bench
+    by 0.02-0.05x) and on all 4 from launch (docs/results/generate.md, session 46; K = 2 won in sessions 43-45,
+    K = 7 never did).  Accelerators verify a block of 16 for about the price of one token (docs/results/accel.md):
+    the drafter's whole block."""
     return min(max_draft, CPU_FIXED_K) if platform == "cpu" else max_draft
 
 

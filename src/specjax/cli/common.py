@@ -49,7 +49,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram", default="1,3", help="n-gram lookup: min,max n (method ngram)")
     p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="drafts verified per step, <= block_size-1 (default: DFlash at a fixed K, 2 on CPU and "
+                   help="drafts verified per step, <= block_size-1 (default: DFlash at a fixed K, 3 on CPU and "
                         "block_size-1 elsewhere; with adaptive K, the largest option)")
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output (tokens)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size (tokens)")

@@ -133,7 +133,7 @@ def register(sub) -> None:
     g.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=False,
                    help="choose K per step from (0, K/4, K/2, K) with the measured cost model, as `serve` does "
                         "(default off: one request cannot repay compiling and timing every K; fixed K is "
-                        "--num-draft-tokens, by default 2 on CPU and the drafter's whole block elsewhere)")
+                        "--num-draft-tokens, by default 3 on CPU and the drafter's whole block elsewhere)")
     g.add_argument("--json", action="store_true", help="also print one JSON line with the measurements")
     g.set_defaults(func=cmd_generate)
 
