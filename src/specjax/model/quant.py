@@ -97,19 +97,22 @@ def interleave(blocks: HostBlocks) -> HostBlocks:
     def lanes(a):  # [O, B] -> [G, B, 8]
         return None if a is None else np.ascontiguousarray(group(a).transpose(0, 2, 1))
 
-    codes = group(blocks.codes).reshape(g, 8, b, n // 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, b, 8 * n)
-    return HostBlocks(blocks.kind, np.ascontiguousarray(codes), lanes(blocks.scales), lanes(blocks.mins))
+    words = np.ascontiguousarray(group(blocks.codes)).view(np.uint32)  # [G, 8, B, n / 4]: 4 code bytes a word
+    codes = np.ascontiguousarray(words.transpose(0, 2, 3, 1)).view(blocks.codes.dtype).reshape(g, b, 8 * n)
+    return HostBlocks(blocks.kind, codes, lanes(blocks.scales), lanes(blocks.mins))
 
 
 def deinterleave(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, kind: str, rows: int) -> HostBlocks:
     """`interleave` undone: the [O, B, ...] blocks of an int8 QuantMatrix's arrays."""
     g, b, n = codes.shape
-    plain = codes.reshape(g, b, n // 32, 8, 4).transpose(0, 3, 1, 2, 4).reshape(g * 8, b, n // 8)[:rows]
+    words = np.ascontiguousarray(codes).view(np.uint32).reshape(g, b, n // 32, 8)  # [G, B, J, 8 rows]
+    plain = words.transpose(0, 3, 1, 2).reshape(g * 8, b, n // 32)[:rows]
+    plain = np.ascontiguousarray(plain).view(codes.dtype)  # [O, B, n / 8] bytes
 
     def rows_of(a):
         return None if a is None else a.transpose(0, 2, 1).reshape(g * 8, b)[:rows]
 
-    return HostBlocks(kind, np.ascontiguousarray(plain), rows_of(scales), rows_of(mins))
+    return HostBlocks(kind, plain, rows_of(scales), rows_of(mins))
 
 
 def plain_blocks(w: QuantMatrix, kind: str) -> HostBlocks:
