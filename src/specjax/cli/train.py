@@ -124,11 +124,12 @@ def cmd_cache_features(args) -> int:
 def served_target(args, target):
     """The target as inference runs it (`--quant-kernels`: a GGUF's blocks on the CPU kernels, with
     `--kernel-activations`), whose taps a drafter reads at inference; `target` itself where no kernels run it."""
+    from specjax.kernels import quant_kernels
     from specjax.llm import DTYPES
     from specjax.model.loader import load_model
 
-    if not args.quant_kernels:
-        return target
+    if not (args.quant_kernels and target.source.endswith(".gguf") and quant_kernels() is not None):
+        return target  # no GGUF blocks, or no kernels here (another backend): the same forward as `target`
     served = load_model(args.target, DTYPES["float32"], quant_kernels=True, activations=args.kernel_activations)
     return served if served.quantized_kernels else target
 

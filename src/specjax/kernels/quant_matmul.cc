@@ -141,6 +141,8 @@ inline void Group8(const Weights& w, int64_t g, const Acts& a, int64_t t0, float
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + gb * 8)));
+    __m256 m = _mm256_setzero_ps();
+    if constexpr (K == kQ4_1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mins + gb * 8)));
     for (int t = 0; t < TB; ++t) {
       const int64_t tb = (t0 + t) * B + b;
       const int8_t* x = a.q + tb * 32;  // the block's 32 bytes in order
@@ -153,10 +155,7 @@ inline void Group8(const Weights& w, int64_t g, const Acts& a, int64_t t0, float
         s = DotBytes(s, u[j], xv);
       }
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[tb])), acc[t]);
-      if constexpr (K == kQ4_1) {
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mins + gb * 8)));
-        acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sums[tb]), acc[t]);
-      }
+      if constexpr (K == kQ4_1) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sums[tb]), acc[t]);
     }
   }
   const int64_t valid = O - 8 * g < 8 ? O - 8 * g : 8;

@@ -33,7 +33,7 @@ class QuantMatrix:
     codes: jax.Array  # [O, I/32, 16] uint8 (Q4: low nibbles = weights 0..15 of a block), [O, I/32, 32] int8 (Q8_0)
     #                   or [O, I/32, 32] uint16 (bfloat16 bits); int8 ones rows interleaved by 8 (`interleave`):
     #                   [ceil(O/8), I/32, 128] (Q4) or [ceil(O/8), I/32, 256] (Q8_0)
-    scales: jax.Array | None  # [O, I/32] uint16: the file's float16 bits ([ceil(O/8), I/32, 8] int8); None for bfloat16
+    scales: jax.Array | None  # [O, I/32] uint16: the file's float16 bits (int8 ones [ceil(O/8), I/32, 8]); None: BF16
     mins: jax.Array | None  # [O, I/32] uint16 float16 bits (Q4_1; laid out as scales) or None
     dense: jax.Array | None  # [O, I] float32: the same weights dequantized; None for an int8 one (never read)
     target: str = dataclasses.field(metadata=dict(static=True))  # registered FFI target of the kernel
