@@ -31,7 +31,7 @@ def engine_compile_cache(args) -> str | None:
 
     if not args.compile_cache:
         return None
-    if jax.process_count() == 1 and getattr(args, "tensor_parallel_size", 1) == 1:
+    if jax.process_count() == 1 and args.tensor_parallel_size == 1:
         return args.compile_cache.rstrip("/\\") + "-programs"
     enable_compile_cache(args.compile_cache)
     return None

@@ -87,12 +87,7 @@ class GGUFFile:
         return out
 
     def _string(self) -> str:
-        (n,) = self._unpack("<Q")
-        if self.pos + n > len(self.buf):
-            raise ValueError("file ends inside its metadata (truncated?)")
-        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
-        self.pos += n
-        return s
+        return self._strings(1)[0]
 
     def _strings(self, count: int) -> list[str]:
         """`count` strings in a row (a vocabulary: ~100k for SmolLM2), with the per-string work inlined."""

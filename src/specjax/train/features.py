@@ -100,7 +100,7 @@ def build_feature_cache(target, store: TokenStore, out: str, tap_indices, max_le
     meta_path = os.path.join(out, "meta.json")
     meta = {"tap_indices": list(tap_indices), "hidden_size": hidden, "max_len": max_len, "store": store.path,
             "store_tokens": store.num_tokens, "lengths": lengths, "done": 0,
-            "kernel_activations": getattr(target, "kernel_activations", None)}
+            "kernel_activations": target.kernel_activations}
     if os.path.isfile(meta_path):
         with open(meta_path, encoding="utf-8") as fh:
             old = json.load(fh)

@@ -617,7 +617,7 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     with open(os.path.join(out_dir, "train_config.json"), "w") as fh:
         json.dump({"method": method.name, "train": dataclasses.asdict(cfg), "data": store.path,
                    "features": features.path if features is not None else "online", "init_from": init_from,
-                   "feature_kernels": getattr(served, "kernel_activations", None),
+                   "feature_kernels": served.kernel_activations,
                    "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens,
                    "data_parallel_devices": [str(d) for d in (mesh.devices.flat if mesh is not None else [])]},
                   fh, indent=1)
