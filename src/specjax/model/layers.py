@@ -46,10 +46,13 @@ def kept(x: jax.Array) -> jax.Array:
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables for integer `positions` [...] -> [..., head_dim] (rotate-half layout: halves repeated)."""
+    """cos/sin tables for integer `positions` [...] -> [..., head_dim] (rotate-half layout: halves repeated),
+    computed once: without the barrier XLA fuses them into every layer's rotation and evaluates cos and sin per
+    element of each layer's q and k (heads times over, 30 layers over: ~0.4 ms of a 4-token SmolLM2 step)."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [..., H]
-    return jnp.cos(angles), jnp.sin(angles)
+    both = kept(jnp.stack([jnp.cos(angles), jnp.sin(angles)]))  # one array: a barrier on a pair does not hold
+    return both[0], both[1]
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
