@@ -112,6 +112,8 @@ inline void Tile(const Weights& w, int64_t r, const Acts& a, int64_t t0, float* 
 
 inline __m256i Load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+constexpr int64_t kAhead = 8;  // blocks of codes prefetched ahead of the one being multiplied
+
 template <Kind K>
 constexpr int64_t GroupBytes() { return K == kQ8_0 ? 256 : 128; }  // 8 interleaved rows' codes of one block
 
@@ -129,6 +131,14 @@ inline void Group8(const Weights& w, int64_t g, const Acts& a, int64_t t0, float
   for (int64_t b = 0; b < B; ++b) {
     const int64_t gb = g * B + b;
     const uint8_t* c = w.codes + gb * GroupBytes<K>();
+    // The stream kAhead blocks on (contiguous across groups), asked for now: the hardware prefetchers alone left a
+    // cold 3072-row Q4_1 product on one core at ~60% of the read bandwidth (65 -> 46 us at M = 1, 85 -> 78 at M = 4).
+    for (int64_t o = 0; o < GroupBytes<K>(); o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(c) + kAhead * GroupBytes<K>() + o, _MM_HINT_T0);
+    if (b % 4 == 0) {  // 4 blocks' 8 scales (and mins) per line
+      _mm_prefetch(reinterpret_cast<const char*>(w.scales + (gb + kAhead) * 8), _MM_HINT_T0);
+      if constexpr (K == kQ4_1) _mm_prefetch(reinterpret_cast<const char*>(w.mins + (gb + kAhead) * 8), _MM_HINT_T0);
+    }
     __m256i u[8], sg[8];
     for (int j = 0; j < kJ; ++j) {
       const __m256i v = Load256(c + 32 * j);
