@@ -17,7 +17,7 @@
 //
 // Shapes: q [B, T, N, H], k_pool / v_pool [K, P, Z, H], page_table [B, Pg] int32, lengths [B] int32, k_new /
 // v_new [B, T2, K, H], visible [B, T, T2] int32; out [B, T, N, H].  H a multiple of 16 up to 256.  AVX-512F or
-// AVX2 + FMA (simd.h).  Work items are claimed from the XLA:CPU intra-op thread pool's threads.
+// AVX2 + FMA (simd.h).  Work items are claimed by the caller and the kernels' helper threads (workers.h).
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -200,7 +201,7 @@ void Merge(const Args& a, const Parts& parts, int64_t pair, int64_t chunks) {
 }
 
 // One call's shared state: its items (the chunks of pair i are first[i] .. first[i + 1] - 1), claimed in order
-// from `next` by the caller and the pool threads helping it.
+// from `next` by the caller and the helper threads (workers.h).
 struct Call {
   Args a;
   Parts parts;
@@ -254,9 +255,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int64_t pairs = a.kv_heads * a.batch, R = a.rows, H = a.head_dim;
   // Everything a helper thread touches lives in `c`, held by the helpers (shared_ptr), so the caller returns as
   // soon as every pair is merged and never waits for a helper to start: a helper still queued when the call ends
-  // (its pool threads busy, e.g. in another program's call of this kernel) finds no item left and touches nothing
-  // else.  Waiting for the helpers themselves deadlocked two programs running at once, each spinning on a pool
-  // thread for a helper queued behind the other (tests/model/test_paged_attention.py, concurrent programs).
+  // (busy, e.g. with another program's call of this kernel) finds no item left and touches nothing
+  // else.  Waiting for the helpers themselves deadlocked two programs running at once, each spinning on an XLA
+  // pool thread for a helper queued behind the other (tests/model/test_paged_attention.py, concurrent programs).
   auto c = std::make_shared<Call>();
   c->a = a;
   Parts& parts = c->parts;
@@ -294,7 +295,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     }
   }
   const int64_t n = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), c->items));
-  for (int64_t k = 1; k < n; ++k) pool.Schedule([c] { c->Work(); });
+  if (n > 1) specjax_workers_v1::Workers::Get().Post(static_cast<int>(n - 1), [c](int) { c->Work(); });
   c->Work();
   while (c->unmerged.load(std::memory_order_acquire) > 0) Pause();  // items other threads claimed, being run
   return ffi::Error::Success();

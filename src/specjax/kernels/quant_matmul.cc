@@ -13,8 +13,8 @@
 // Layout (prepared at load time by specjax.model.quant): codes [O, I/32, bytes of one block's codes]
 // (Q4: 16 bytes, low nibbles = weights 0..15 of the block, high nibbles = 16..31; Q8: 32 int8; BF16: 32 uint16),
 // scales d and (Q4_1) mins m as GGUF stores them, float16 bits [O, I/32] (none for BF16; converted exactly, F16C:
-// float32 copies made a Q4_1 block 24 bytes instead of 20, and decoding streams every block).  Rows are split over
-// the XLA:CPU intra-op thread pool.
+// float32 copies made a Q4_1 block 24 bytes instead of 20, and decoding streams every block).  Rows are split between
+// the caller and the kernels' helper threads (workers.h: as many threads in all as XLA:CPU's intra-op pool has).
 //
 // The GGUF kinds also have an int8-activation variant (handlers *I8, llama.cpp's scheme): each token's activations
 // are quantized per block of 32 (scale amax / 127, round to nearest even), a block's codes multiply them as bytes
@@ -33,6 +33,7 @@
 #include <memory>
 
 #include "simd.h"
+#include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -205,10 +206,11 @@ void Rows(const Weights& w, const Acts& a, float* y, int64_t M, int64_t r0, int6
 
 // How one call's rows are shared between the threads: each thread owns a contiguous range of groups of kRowBlock
 // rows, (front, back) in one atomic word, and takes its own groups from the front, then what is left of the others'
-// ranges from their backs.  So a thread that starts late (a pool worker waking up: ~10 us of a ~70 us product on
-// the 2-core VM, which the caller spent spinning when each thread had a fixed half) or runs slow (a stalled vCPU)
-// leaves its rows to the others, and each thread still streams contiguous rows.  Held by every thread (shared_ptr):
-// a worker that wakes after the call returned finds every group taken and touches nothing else of the call's.
+// ranges from their backs.  So a thread that starts late (a helper waking up: ~10 us of a ~70 us product on the
+// 2-core VM, which the caller spent spinning when each thread had a fixed half; a helper busy with another call)
+// or runs slow (a stalled vCPU) leaves its rows to the others, and each thread still streams contiguous rows.  Held
+// by every thread (shared_ptr): a helper that starts after the call returned finds every group taken and touches
+// nothing else of the call's.
 struct Split {
   Split(int64_t groups, int64_t n) : ranges(n), left(groups) {
     for (int64_t k = 0; k < n; ++k)
@@ -326,8 +328,10 @@ ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, 
   if (n < 1) n = 1;
   if (n > O / 64) n = O / 64 > 0 ? O / 64 : 1;
   auto split = std::make_shared<Split>((O + kRowBlock - 1) / kRowBlock, n);
-  for (int64_t k = 1; k < n; ++k) {
-    pool.Schedule([split, k, w, a, out, M, O] { Work<K, Int8>(*split, k, w, a, out, M, O); });
+  if (n > 1) {
+    specjax_workers_v1::Workers::Get().Post(static_cast<int>(n - 1), [split, w, a, out, M, O](int k) {
+      Work<K, Int8>(*split, k, w, a, out, M, O);
+    });
   }
   Work<K, Int8>(*split, 0, w, a, out, M, O);
   while (split->left.load(std::memory_order_acquire) > 0) Pause();
