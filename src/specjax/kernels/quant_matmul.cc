@@ -329,7 +329,7 @@ ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, 
   if (n > O / 64) n = O / 64 > 0 ? O / 64 : 1;
   auto split = std::make_shared<Split>((O + kRowBlock - 1) / kRowBlock, n);
   if (n > 1) {
-    specjax_workers_v1::Workers::Get().Post(static_cast<int>(n - 1), [split, w, a, out, M, O](int k) {
+    specjax_workers_v2::Workers::Get().Post(static_cast<int>(n - 1), [split, w, a, out, M, O](int k) {
       Work<K, Int8>(*split, k, w, a, out, M, O);
     });
   }

@@ -6,7 +6,9 @@
 // (ffi::ThreadPool::Schedule) wakes a sleeping pool thread: 7-9 us of the caller's time per call on the 2-vCPU VM
 // (a futex wake and an inter-processor interrupt), ~1 ms of a ~7 ms step.  These helpers instead spin for
 // kSpinMicros after their last job, so a call inside a step hands over its share with a queue push, and sleep
-// on a condition variable once the step is over (the first call of the next step pays one wake).
+// on a condition variable once the step is over (the first call of the next step pays one wake).  While spinning
+// they yield the core every ~2 us, so an XLA:CPU thread that needs it (its executor moves between its pool's
+// threads) is not kept waiting for the scheduler's time slice.
 //
 // The caller never waits for a helper to start (a job a busy or sleeping helper has not begun finds its call's
 // work taken and returns): the kernels' items are claimed from shared counters, and the caller waits only for items
@@ -18,6 +20,7 @@
 #pragma once
 
 #include <pthread.h>
+#include <sched.h>
 
 #include <atomic>
 #include <chrono>
@@ -31,7 +34,7 @@
 
 #include <immintrin.h>
 
-namespace specjax_workers_v1 {
+namespace specjax_workers_v2 {
 
 constexpr int64_t kSpinMicros = 200;  // a step's gaps between kernel calls are its XLA fusions: ~1-20 us each
 
@@ -73,7 +76,10 @@ class Workers {
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
       for (int64_t i = 1; queued_.load(std::memory_order_acquire) == 0; ++i) {
         _mm_pause();
-        if (i % 64 == 0 && std::chrono::steady_clock::now() > until) break;
+        if (i % 64 == 0) {  // every ~2 us: a thread waiting for this core (an XLA:CPU pool task) gets it at once
+          if (std::chrono::steady_clock::now() > until) break;
+          sched_yield();
+        }
       }
       std::pair<std::function<void(int)>, int> job;
       {
@@ -98,4 +104,4 @@ class Workers {
   int threads_ = 0, sleepers_ = 0;                               // guarded by mu_
 };
 
-}  // namespace specjax_workers_v1
+}  // namespace specjax_workers_v2
