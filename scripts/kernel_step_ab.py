@@ -3,7 +3,8 @@ the embedded target: both revisions' kernels are built and registered in one pro
 weights are B's with A's kernel targets, and the two steps alternate in short bursts (either first in turn), so both see the same phases
 of a noisy VM (a process-level A/B, scripts/kflat_ab.py, moves 10-20% between rounds there).
 
-    python scripts/kernel_step_ab.py --a HEAD [--b WORKTREE] [--q 1,4] [--context 512] [--bursts 40] [--out FILE]
+    python scripts/kernel_step_ab.py --a HEAD [--b WORKTREE] [--q 1,4] [--context 512] [--batch 1] [--bursts 300]
+                                     [--out FILE]
 
 Only the kernels differ: the Python of the step (model, XLA) is the working tree's, and both kernels compute on the
 working tree's weight layout, so pair revisions whose kernels take the same layout (model/quant.py).  Reports per q
@@ -62,6 +63,7 @@ def main() -> None:
     p.add_argument("--b", default="WORKTREE")
     p.add_argument("--q", default="1,4")
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--bursts", type=int, default=300, help="A/B burst pairs per q")
     p.add_argument("--steps", type=int, default=2, help="steps per burst")
     p.add_argument("--out", default=None)
@@ -80,8 +82,8 @@ def main() -> None:
             names = register(os.path.dirname(kernel_sources(rev, os.path.join(tmp, label))), os.path.join(tmp, "so"),
                              label)
             weights = retarget(model.weights, {t: names[h] for t, h in loaded.items()})
-            steps[label] = verify_steps(model.config, weights, qs, args.context)
-    report = {"a": args.a, "b": args.b, "context": args.context, "results": {}}
+            steps[label] = verify_steps(model.config, weights, qs, args.context, batch=args.batch)
+    report = {"a": args.a, "b": args.b, "context": args.context, "batch": args.batch, "results": {}}
     for q in qs:
         for label in "ab":
             for _ in range(5):

@@ -1,7 +1,7 @@
 """Where one decode step's time goes: a jax.profiler trace of the step `specjax analyze kflat` times, aggregated
 by XLA thunk kind (fusions, FFI kernels, dots), with the share of each.
 
-    python scripts/profile_step.py [--q 4] [--context 512] [--no-quant-kernels] [--kernel-activations float32]
+    python scripts/profile_step.py [--q 4] [--context 512] [--batch 1] [--no-quant-kernels] [--kernel-activations float32]
                                    [--steps 5] [--out DIR]
     python scripts/profile_step.py --drafter [DIR] --q 4     # the DFlash drafter's forward for a block of q
 
@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--q", type=int, default=1, help="tokens verified by the step")
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--quant-kernels", default=True, action=argparse.BooleanOptionalAction)
     p.add_argument("--kernel-activations", default="int8", choices=ACTIVATIONS)
@@ -68,7 +69,7 @@ def main() -> None:
         proposer, pweights = build_proposer("dflash", model, path)
         step = draft_step(proposer, pweights, model.weights, args.context, args.q)
     else:
-        step = verify_steps(model.config, model.weights, [args.q], args.context)[args.q]
+        step = verify_steps(model.config, model.weights, [args.q], args.context, batch=args.batch)[args.q]
     for _ in range(3):
         jax.block_until_ready(step())
     with tempfile.TemporaryDirectory() as tmp:

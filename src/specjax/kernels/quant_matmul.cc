@@ -14,7 +14,7 @@
 // (Q4: 16 bytes, low nibbles = weights 0..15 of the block, high nibbles = 16..31; Q8: 32 int8; BF16: 32 uint16),
 // scales d and (Q4_1) mins m as GGUF stores them, float16 bits [O, I/32] (none for BF16; converted exactly, F16C:
 // float32 copies made a Q4_1 block 24 bytes instead of 20, and decoding streams every block).  Rows are split between
-// the caller and the kernels' helper threads (workers.h: as many threads in all as XLA:CPU's intra-op pool has).
+// the caller and helper threads (workers.h: as many threads in all as XLA:CPU's intra-op pool has).
 //
 // The GGUF kinds also have an int8-activation variant (handlers *I8, llama.cpp's scheme): each token's activations
 // are quantized per block of 32 (scale amax / 127, round to nearest even), a block's codes multiply them as bytes
@@ -328,11 +328,8 @@ ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, 
   if (n < 1) n = 1;
   if (n > O / 64) n = O / 64 > 0 ? O / 64 : 1;
   auto split = std::make_shared<Split>((O + kRowBlock - 1) / kRowBlock, n);
-  if (n > 1) {
-    specjax_workers_v2::Workers::Get().Post(static_cast<int>(n - 1), [split, w, a, out, M, O](int k) {
-      Work<K, Int8>(*split, k, w, a, out, M, O);
-    });
-  }
+  specjax_workers_v3::Share(pool, M, static_cast<int>(n - 1),
+                            [split, w, a, out, M, O](int k) { Work<K, Int8>(*split, k, w, a, out, M, O); });
   Work<K, Int8>(*split, 0, w, a, out, M, O);
   while (split->left.load(std::memory_order_acquire) > 0) Pause();
   return ffi::Error::Success();

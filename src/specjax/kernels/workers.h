@@ -10,6 +10,11 @@
 // they yield the core every ~2 us, so an XLA:CPU thread that needs it (its executor moves between its pool's
 // threads) is not kept waiting for the scheduler's time slice.
 //
+// Only calls of at most kMaxSpinTokens tokens go to them (Share): a decoding or verification step at batch 1, whose
+// XLA fusions run on one thread.  Wider steps' fusions run on XLA:CPU's pool, and a helper spinning beside them
+// took a core they needed (batch 8 x 4 rows: 0.93x the step, its fusions 2-3x slower); their calls are long enough
+// for a pool thread's wake not to matter, so they go to the pool as before.
+//
 // The caller never waits for a helper to start (a job a busy or sleeping helper has not begun finds its call's
 // work taken and returns): the kernels' items are claimed from shared counters, and the caller waits only for items
 // a helper has claimed and is running.  Every kernel library built from this directory uses one set of helpers: the
@@ -34,9 +39,12 @@
 
 #include <immintrin.h>
 
-namespace specjax_workers_v2 {
+#include "xla/ffi/api/ffi.h"
+
+namespace specjax_workers_v3 {
 
 constexpr int64_t kSpinMicros = 200;  // a step's gaps between kernel calls are its XLA fusions: ~1-20 us each
+constexpr int64_t kMaxSpinTokens = 4;  // the widest call that goes to the spinning helpers (see above)
 
 class Workers {
  public:
@@ -104,4 +112,16 @@ class Workers {
   int threads_ = 0, sleepers_ = 0;                               // guarded by mu_
 };
 
-}  // namespace specjax_workers_v2
+// fn(1) .. fn(copies) beside the caller: on the spinning helpers for a call of at most kMaxSpinTokens tokens, else
+// on XLA:CPU's intra-op pool.  Returns at once either way.
+template <class Fn>
+inline void Share(xla::ffi::ThreadPool& pool, int64_t tokens, int copies, const Fn& fn) {
+  if (copies <= 0) return;
+  if (tokens <= kMaxSpinTokens) {
+    Workers::Get().Post(copies, fn);
+    return;
+  }
+  for (int i = 1; i <= copies; ++i) pool.Schedule([fn, i] { fn(i); });
+}
+
+}  // namespace specjax_workers_v3
