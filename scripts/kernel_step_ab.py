@@ -1,13 +1,15 @@
 """In-process paired A/B of the native kernels (kernels/*.cc) of two git revisions on whole decode / verify steps of
 the embedded target: both revisions' kernels are built and registered in one process, the model is loaded once, A's
-weights are B's with A's kernel targets, and the two steps alternate in short bursts (either first in turn), so both see the same phases
-of a noisy VM (a process-level A/B, scripts/kflat_ab.py, moves 10-20% between rounds there).
+weights are B's with A's kernel targets, and the two steps alternate in short bursts (either first in turn), so
+both see the same phases of a noisy VM (a process-level A/B, scripts/kflat_ab.py, moves 10-20% between rounds
+there; the null, A = B, reads 0.993-1.005x here).
 
     python scripts/kernel_step_ab.py --a HEAD [--b WORKTREE] [--q 1,4] [--context 512] [--batch 1] [--bursts 300]
                                      [--out FILE]
 
 Only the kernels differ: the Python of the step (model, XLA) is the working tree's, and both kernels compute on the
-working tree's weight layout, so pair revisions whose kernels take the same layout (model/quant.py).  Reports per q
+working tree's weight layout, so pair revisions whose kernels take the same layout (model/quant.py).  Revisions whose
+kernels/workers.h differ must name different namespaces (their helpers would be shared otherwise).  Reports per q
 the median step time of each and B's speedup (the median over bursts of A / B of adjacent bursts).
 """
 
@@ -26,8 +28,17 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_chain_ab import kernel_sources  # noqa: E402
 
-from specjax.kernels import (ATTENTION_HANDLER, ATTENTION_SOURCE, KV_WRITE_HANDLER, KV_WRITE_SOURCE,  # noqa: E402
-                             QUANT_HANDLERS, QUANT_SOURCE, build, cpu_flags, quant_kernels)
+from specjax.kernels import (  # noqa: E402
+    ATTENTION_HANDLER,
+    ATTENTION_SOURCE,
+    KV_WRITE_HANDLER,
+    KV_WRITE_SOURCE,
+    QUANT_HANDLERS,
+    QUANT_SOURCE,
+    build,
+    cpu_flags,
+    quant_kernels,
+)
 
 
 def register(src_dir: str, cache: str, label: str) -> dict[str, str]:

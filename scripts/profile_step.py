@@ -1,8 +1,8 @@
 """Where one decode step's time goes: a jax.profiler trace of the step `specjax analyze kflat` times, aggregated
 by XLA thunk kind (fusions, FFI kernels, dots), with the share of each.
 
-    python scripts/profile_step.py [--q 4] [--context 512] [--batch 1] [--no-quant-kernels] [--kernel-activations float32]
-                                   [--steps 5] [--out DIR]
+    python scripts/profile_step.py [--q 4] [--context 512] [--batch 1] [--no-quant-kernels]
+                                   [--kernel-activations float32] [--steps 5] [--out DIR]
     python scripts/profile_step.py --drafter [DIR] --q 4     # the DFlash drafter's forward for a block of q
 
 Tracing adds a fixed cost to every thunk, so small thunks read high; use it for where the time goes, not for

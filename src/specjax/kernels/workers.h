@@ -20,8 +20,8 @@
 // a helper has claimed and is running.  Every kernel library built from this directory uses one set of helpers: the
 // instance lives in an inline function's static, which GCC emits as a unique global symbol that the dynamic linker
 // binds once across libraries (otherwise each library's helpers would spin beside the other's).  The namespace
-// carries a version: change it when the layout below changes, so libraries of two revisions loaded together
-// (scripts/kernel_step_ab.py) do not share an object they disagree on.
+// carries a version: change it whenever this file changes, so libraries of two revisions loaded together
+// (scripts/kernel_step_ab.py) do not share helpers whose code or layout they disagree on.
 #pragma once
 
 #include <pthread.h>
