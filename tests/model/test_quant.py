@@ -231,7 +231,9 @@ def test_speculative_decoding_on_kernels_is_lossless(tiny_dirs, tmp_path, kernel
 
 def test_drafters_on_the_attention_kernel_match_xla_and_stay_lossless(tiny_dirs, tmp_path, kernels):
     """DFlash and EAGLE-3 drafters read their paged context through the in-place attention kernel when the target
-    has it: every draft equals the gathered-XLA path's, and the output equals plain decoding."""
+    has it: every draft equals the gathered-XLA path's, and the output equals plain decoding.  (A float32-activation
+    target: beside an int8 one the kernel path also quantizes the DFlash drafter's matrices, and this compares the
+    attention alone.)"""
     import dataclasses
 
     from specjax.drafter.eagle3 import Eagle3Params
@@ -241,7 +243,7 @@ def test_drafters_on_the_attention_kernel_match_xla_and_stay_lossless(tiny_dirs,
 
     path = str(tmp_path / "llama-Q8_0.gguf")
     write_gguf_from_hf(tiny_dirs["llama"], path, "Q8_0")
-    model = load_model(path, quant_kernels=True)
+    model = load_model(path, quant_kernels=True, activations="float32")
     assert model.weights.attention_kernel == kernels.attention and model.config.head_dim % 16 == 0
     xla = dataclasses.replace(model.weights, attention_kernel=None)
     ecfg = eagle3_config_for(model.config, aux_ids=(1, 2, 3))
@@ -330,10 +332,71 @@ def test_bf16_kernel_streams_exact_bfloat16_matrices(kernels):
     np.testing.assert_allclose(np.asarray(linear(rows, q)), np.asarray(rows @ w.T), rtol=1e-5, atol=1e-5)
 
 
+def test_q8_0_quantizer_matches_gguf_py(kernels):
+    """HostBlocks.quantize_q8_0 gives gguf-py's Q8_0 bytes (ggml's reference quantizer), zero blocks and ties
+    included, and its int8 QuantMatrix multiplies like the int8 scheme over its dequantized blocks."""
+    from gguf import GGMLQuantizationType, quants
+
+    from specjax.model.quant import q8_0_matrix
+
+    rng = np.random.default_rng(21)
+    w = rng.standard_normal((37, 96)).astype(np.float32)
+    w[3, :32] = 0.0
+    w[5, :32] = np.arange(32) - 15.5  # amax 16.5: halves of d land on ties
+    mine = HostBlocks.quantize_q8_0(w)
+    ref = HostBlocks.from_gguf(quants.quantize(w, GGMLQuantizationType.Q8_0), "Q8_0")
+    assert np.array_equal(mine.codes, ref.codes) and np.array_equal(mine.scales, ref.scales)
+    assert q8_0_matrix(w[:, :48], kernels.targets["Q8_0_I8"]) is None  # rows not whole blocks of 32
+    q = q8_0_matrix(w, kernels.targets["Q8_0_I8"])
+    assert q.int8 and q.dense is None and plain_blocks(q, "Q8_0").codes.tolist() == ref.codes.tolist()
+    x = rng.standard_normal((96, 5)).astype(np.float32)
+    want = int8_product("Q8_0", ref.codes, ref.scales.view(np.float16).astype(np.float32), None, x)
+    bound = np.abs(w).astype(np.float64) @ np.abs(x).astype(np.float64)
+    assert np.all(np.abs(np.asarray(matmul(q, jnp.asarray(x))) - want) <= 1e-6 * bound + 1e-6)
+
+
+def test_dflash_drafter_beside_an_int8_target_runs_on_q8_0_blocks(tiny_dirs, tmp_path, kernels):
+    """Beside a target on the int8-activation kernels, every drafter matrix (fc and each layer's five), float32 or
+    bfloat16, is quantized as Q8_0 for the same int8 kernel: its context K/V rows stay close to the XLA drafter's,
+    the output equals plain decoding, and every decode step calls that kernel for each of those matrices."""
+    from specjax.drafter import dflash
+    from specjax.drafter.loader import drafter_config_for, init_drafter
+    from specjax.spec.proposer import DFlashProposer
+
+    path = str(tmp_path / "llama-Q4_1.gguf")
+    write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
+    model = load_model(path, quant_kernels=True)
+    assert model.weights.int8_products
+    dcfg = drafter_config_for(model.config, num_layers=2, block_size=4, target_layer_ids=(0, 2), mask_token_id=299)
+    fp32 = init_drafter(dcfg, jax.random.PRNGKey(9), std=0.15)
+    proposer = DFlashProposer(dcfg, 4)
+    fast = proposer.prepare(fp32, model.weights)
+    names = ("w_q", "w_kv", "w_o", "w_gate_up", "w_down")
+    matrices = [fast.fc] + [getattr(layer, n) for layer in fast.layers for n in names]
+    target = kernels.targets["Q8_0_I8"]
+    assert all(isinstance(m, QuantMatrix) and m.int8 and m.target == target for m in matrices)
+
+    taps = jnp.asarray(np.random.default_rng(12).standard_normal((1, 5, fast.fc.shape[1])), jnp.float32)
+    rows = [np.asarray(dflash.observe(w, dcfg, taps, jnp.arange(5)[None]).k[1]) for w in (fast, fp32)]
+    np.testing.assert_allclose(rows[0], rows[1], rtol=0.05, atol=0.05 * np.abs(rows[1]).max())
+
+    prompt = random_prompt(np.random.default_rng(13), 12)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
+    [plain] = LLMEngine(model.config, model.weights, config=config).generate([prompt], params)
+    engine = LLMEngine(model.config, model.weights, proposer, fp32, config)
+    assert engine.generate([prompt], params)[0].output_ids == plain.output_ids
+    steps = [p[0] for shape, p in engine.programs.ready.items() if shape.kind == "decode"]
+    head = model.weights.head_blocks is not None and model.weights.head_blocks.target == target  # a Q8_0 head
+    drafter_calls = 1 + dcfg.num_layers + 5 * dcfg.num_layers  # observe (fc, each layer's context K/V), propose
+    assert steps and all(s.as_text().count(f'custom_call_target="{target}"') - head * 2 == drafter_calls
+                         for s in steps)
+
+
 def test_bfloat16_dflash_drafter_runs_on_the_bf16_kernel(tiny_dirs, tmp_path, kernels):
-    """On a target loaded onto the kernels, a drafter with bfloat16 values streams every matrix (fc and each
-    layer's five) through the BF16 kernel; a float32 drafter stays on XLA.  Drafts are the XLA drafter's to
-    rounding and the output equals plain decoding."""
+    """Beside a target on the float32-activation kernels, a drafter with bfloat16 values streams every matrix (fc
+    and each layer's five) through the BF16 kernel; a float32 drafter stays on XLA.  Drafts are the XLA drafter's
+    to rounding and the output equals plain decoding."""
     import dataclasses
 
     from specjax.drafter import dflash
@@ -342,7 +405,8 @@ def test_bfloat16_dflash_drafter_runs_on_the_bf16_kernel(tiny_dirs, tmp_path, ke
 
     path = str(tmp_path / "llama-Q4_1.gguf")
     write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
-    model = load_model(path, quant_kernels=True)
+    model = load_model(path, quant_kernels=True, activations="float32")
+    assert not model.weights.int8_products
     dcfg = drafter_config_for(model.config, num_layers=2, block_size=4, target_layer_ids=(0, 2), mask_token_id=299)
     fp32 = init_drafter(dcfg, jax.random.PRNGKey(9), std=0.15)
     bf16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), fp32)

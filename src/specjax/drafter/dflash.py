@@ -31,7 +31,7 @@ import numpy as np
 from specjax.config import DrafterConfig
 from specjax.model.attention import KVRows, pages_and_new_attention
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin, swiglu
-from specjax.model.quant import bf16_matrix, head_product, linear, take_rows
+from specjax.model.quant import bf16_matrix, head_product, linear, q8_0_matrix, take_rows
 from specjax.model.target import KVPages
 from specjax.sampling import first_argmax
 
@@ -75,9 +75,21 @@ def with_bf16_kernel(weights: DFlashWeights, kernel: str) -> DFlashWeights:
     """Once per engine on specjax's CPU kernels: every drafter matrix whose float32 values are all bfloat16 numbers
     (a bfloat16 checkpoint) also kept as those bits for the BF16 kernel `kernel` (quant.bf16_matrix, transposed
     to [out, in]): a drafter step streams half the bytes of its weights, which are the same weights."""
+    return on_kernel(weights, lambda w: bf16_matrix(w, kernel))
+
+
+def with_q8_0_kernel(weights: DFlashWeights, kernel: str) -> DFlashWeights:
+    """Once per engine beside an int8-activation target: every drafter matrix quantized as Q8_0 for the int8 kernel
+    `kernel` (quant.q8_0_matrix; ~1.06 bytes a weight, and the products of the target's layers)."""
+    return on_kernel(weights, lambda w: q8_0_matrix(w, kernel))
+
+
+def on_kernel(weights: DFlashWeights, matrix) -> DFlashWeights:
+    """The drafter's fc and each layer's five matrices through `matrix` (a float [out, in] host array -> a
+    QuantMatrix, or None to keep that matrix on XLA)."""
 
     def streamed(w):
-        q = bf16_matrix(np.asarray(w).T, kernel)  # transposed on the host (an eager transpose compiles per shape)
+        q = matrix(np.asarray(w).T)  # transposed on the host (an eager transpose compiles per shape)
         return w if q is None else q
 
     names = ("w_q", "w_kv", "w_o", "w_gate_up", "w_down")

@@ -69,6 +69,18 @@ class HostBlocks:
         codes = np.ascontiguousarray(blocks[..., start:])
         return cls(kind, codes.view(np.int8) if kind == "Q8_0" else codes, scales, mins)
 
+    @classmethod
+    def quantize_q8_0(cls, w: np.ndarray) -> HostBlocks:
+        """A float [O, I] matrix (I a multiple of 32) quantized as GGUF's Q8_0 (ggml's reference quantizer):
+        per block of 32, d = amax / 127 stored as float16, codes round(w / d) (half away from zero)."""
+        x = np.asarray(w, np.float32).reshape(w.shape[0], -1, 32)
+        d = np.abs(x).max(axis=-1) / 127.0
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+        y = x * inv[..., None]
+        whole = np.trunc(y)
+        codes = (whole + np.sign(y) * (np.abs(y - whole) >= 0.5)).astype(np.int8)  # |y| <= 127
+        return cls("Q8_0", codes, d.astype(np.float16).view(np.uint16), None)
+
     def rows(self, index) -> HostBlocks:
         mins = None if self.mins is None else self.mins[index]
         return HostBlocks(self.kind, self.codes[index], self.scales[index], mins)
@@ -171,6 +183,15 @@ def bf16_matrix(w, target: str) -> QuantMatrix | None:
     codes = half.view(np.uint16).reshape(host.shape[0], host.shape[1] // 32, 32)
     dense = w if isinstance(w, jax.Array) else jax.device_put(np.ascontiguousarray(host))
     return QuantMatrix(jax.device_put(codes), None, None, dense, target)
+
+
+def q8_0_matrix(w, target: str) -> QuantMatrix | None:
+    """A float [O, I] matrix (on the device or the host) quantized as Q8_0 for the int8-activation kernel `target`
+    (an int8 QuantMatrix), or None when its rows are not whole blocks of 32."""
+    host = np.asarray(w, np.float32)
+    if host.ndim != 2 or host.shape[1] % 32:
+        return None
+    return to_device(HostBlocks.quantize_q8_0(host), None, target, int8=True)
 
 
 def linear(x: jax.Array, w) -> jax.Array:

@@ -81,12 +81,17 @@ class TargetWeights:
     kv_write_kernel: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
+    def int8_products(self) -> bool:
+        """Do the layers' products run on the int8-activation GGUF kernels (QuantMatrix.int8)?"""
+        w = self.layers[0].w_qkv
+        return isinstance(w, QuantMatrix) and w.int8
+
+    @property
     def attention_any_queries(self) -> bool:
         """Does every attention of a forward go to the kernel, prefill chunks included?  Yes on int8-activation
         GGUF kernels (QuantMatrix.int8): a row's result must not depend on its step's shape there, and XLA's
         gathered attention rounds differently with the padding."""
-        w = self.layers[0].w_qkv
-        return self.attention_kernel is not None and isinstance(w, QuantMatrix) and w.int8
+        return self.attention_kernel is not None and self.int8_products
 
     @property
     def vocab_rows(self) -> jax.Array:

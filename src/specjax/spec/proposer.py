@@ -97,14 +97,19 @@ class DFlashProposer:
 
     def prepare(self, params, target):
         """Once per engine: cut the draft vocabulary's head rows (if any) out of the target head (its GGUF blocks
-        when the target head runs on the CPU kernels); on the kernels, a bfloat16 drafter's matrices also go
-        through the BF16 kernel (dflash.with_bf16_kernel)."""
+        when the target head runs on the CPU kernels).  On the kernels the drafter's matrices follow the target's
+        products: beside int8-activation ones they are quantized as Q8_0 for the same int8 kernel
+        (dflash.with_q8_0_kernel: 0.91-0.97 ms instead of 1.20-1.39 for a block of 4, tau within 0.01 of the
+        bfloat16 drafter's on every bench dataset); beside float32-activation ones a bfloat16 drafter's matrices
+        go through the BF16 kernel, the same weights (dflash.with_bf16_kernel)."""
         params = dflash.with_draft_head(params, target.head_matrix)
         if target.attention_kernel is not None:  # the target was loaded onto specjax's CPU kernels
             from specjax.kernels import quant_kernels
 
             kernels = quant_kernels()
-            if kernels is not None:
+            if kernels is not None and target.int8_products:
+                params = dflash.with_q8_0_kernel(params, kernels.targets["Q8_0_I8"])
+            elif kernels is not None:
                 params = dflash.with_bf16_kernel(params, kernels.targets["BF16"])
         return params
 
