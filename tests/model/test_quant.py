@@ -332,6 +332,17 @@ def test_bf16_kernel_streams_exact_bfloat16_matrices(kernels):
     np.testing.assert_allclose(np.asarray(linear(rows, q)), np.asarray(rows @ w.T), rtol=1e-5, atol=1e-5)
 
 
+def lossless_dflash_decode_steps(model, proposer, drafter) -> list:
+    """Greedy DFlash generation with `drafter` beside `model` equals plain decoding; -> its decode steps' programs."""
+    prompt = random_prompt(np.random.default_rng(13), 12)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
+    [plain] = LLMEngine(model.config, model.weights, config=config).generate([prompt], params)
+    engine = LLMEngine(model.config, model.weights, proposer, drafter, config)
+    assert engine.generate([prompt], params)[0].output_ids == plain.output_ids
+    return [p[0] for shape, p in engine.programs.ready.items() if shape.kind == "decode"]
+
+
 def test_q8_0_quantizer_matches_gguf_py(kernels):
     """HostBlocks.quantize_q8_0 gives gguf-py's Q8_0 bytes (ggml's reference quantizer), zero blocks and ties
     included, and its int8 QuantMatrix multiplies like the int8 scheme over its dequantized blocks."""
@@ -380,13 +391,7 @@ def test_dflash_drafter_beside_an_int8_target_runs_on_q8_0_blocks(tiny_dirs, tmp
     rows = [np.asarray(dflash.observe(w, dcfg, taps, jnp.arange(5)[None]).k[1]) for w in (fast, fp32)]
     np.testing.assert_allclose(rows[0], rows[1], rtol=0.05, atol=0.05 * np.abs(rows[1]).max())
 
-    prompt = random_prompt(np.random.default_rng(13), 12)
-    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
-    [plain] = LLMEngine(model.config, model.weights, config=config).generate([prompt], params)
-    engine = LLMEngine(model.config, model.weights, proposer, fp32, config)
-    assert engine.generate([prompt], params)[0].output_ids == plain.output_ids
-    steps = [p[0] for shape, p in engine.programs.ready.items() if shape.kind == "decode"]
+    steps = lossless_dflash_decode_steps(model, proposer, fp32)
     head = model.weights.head_blocks is not None and model.weights.head_blocks.target == target  # a Q8_0 head
     drafter_calls = 1 + dcfg.num_layers + 5 * dcfg.num_layers  # observe (fc, each layer's context K/V), propose
     assert steps and all(s.as_text().count(f'custom_call_target="{target}"') - head * 2 == drafter_calls
@@ -423,13 +428,7 @@ def test_bfloat16_dflash_drafter_runs_on_the_bf16_kernel(tiny_dirs, tmp_path, ke
     rows = [np.asarray(dflash.observe(w, dcfg, taps, jnp.arange(5)[None]).k[1]) for w in (fast, bf16)]
     np.testing.assert_allclose(rows[0], rows[1], rtol=1e-4, atol=1e-4)
 
-    prompt = random_prompt(np.random.default_rng(13), 12)
-    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
-    [plain] = LLMEngine(model.config, model.weights, config=config).generate([prompt], params)
-    engine = LLMEngine(model.config, model.weights, proposer, bf16, config)
-    assert engine.generate([prompt], params)[0].output_ids == plain.output_ids
-    steps = [p[0] for shape, p in engine.programs.ready.items() if shape.kind == "decode"]
+    steps = lossless_dflash_decode_steps(model, proposer, bf16)
     # per decode step: observe (fc, then each layer's context K/V) and propose (each layer's five products)
     bf16_calls = 1 + dcfg.num_layers + 5 * dcfg.num_layers
     assert steps and all(s.as_text().count(f'custom_call_target="{kernels.targets["BF16"]}"') == bf16_calls
