@@ -5,7 +5,7 @@ both see the same phases of a noisy VM (a process-level A/B, scripts/kflat_ab.py
 there; the null, A = B, reads 0.993-1.005x here).
 
     python scripts/kernel_step_ab.py --a HEAD [--b WORKTREE] [--q 1,4] [--context 512] [--batch 1] [--bursts 300]
-                                     [--out FILE]
+                                     [--a-kv-dtype float32 --b-kv-dtype float16] [--out FILE]
 
 Only the kernels differ: the Python of the step (model, XLA) is the working tree's, and both kernels compute on the
 working tree's weight layout, so pair revisions whose kernels take the same layout (model/quant.py).  Revisions whose
@@ -77,6 +77,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--bursts", type=int, default=300, help="A/B burst pairs per q")
     p.add_argument("--steps", type=int, default=2, help="steps per burst")
+    p.add_argument("--a-kv-dtype", default=None, help="A's KV pool dtype (default: the activations', float32)")
+    p.add_argument("--b-kv-dtype", default=None, help="B's KV pool dtype")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from specjax.bench.kflat import verify_steps
@@ -93,8 +95,10 @@ def main() -> None:
             names = register(os.path.dirname(kernel_sources(rev, os.path.join(tmp, label))), os.path.join(tmp, "so"),
                              label)
             weights = retarget(model.weights, {t: names[h] for t, h in loaded.items()})
-            steps[label] = verify_steps(model.config, weights, qs, args.context, batch=args.batch)
-    report = {"a": args.a, "b": args.b, "context": args.context, "batch": args.batch, "results": {}}
+            steps[label] = verify_steps(model.config, weights, qs, args.context, batch=args.batch,
+                                        kv_dtype=getattr(args, f"{label}_kv_dtype"))
+    report = {"a": args.a, "b": args.b, "a_kv_dtype": args.a_kv_dtype, "b_kv_dtype": args.b_kv_dtype,
+              "context": args.context, "batch": args.batch, "results": {}}
     for q in qs:
         for label in "ab":
             for _ in range(5):

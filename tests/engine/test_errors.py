@@ -143,6 +143,15 @@ def test_kv_pool_sized_from_a_memory_budget(target, drafter_dir):
     assert big.config.pool_pages == 2 * 16 + 1  # never more than max_num_seqs full-length sequences use
     with pytest.raises(ConfigError, match="cannot be combined with num_pages"):
         EngineConfig(kv_cache_memory=10 ** 6, num_pages=8)
+    # a float16 cache: the target's rows at half the bytes (the drafter's stay float32), so more pages fit
+    per_page16 = page_bytes(tc, proposer, 4, jnp.float32, jnp.float16)
+    assert per_page16 == 4 * 2 * (2 * tc.num_layers * tc.num_kv_heads * tc.head_dim
+                                  + 4 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)
+    half = LLMEngine(tc, target.weights, proposer, w, EngineConfig(max_model_len=64, page_size=4,
+                                                                   kv_cache_memory=budget, kv_cache_dtype="float16"))
+    assert half.config.pool_pages == budget // per_page16 > 40 and half.kv.k[0].dtype == jnp.float16
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16, got 'int8'"):
+        EngineConfig(kv_cache_dtype="int8")
     assert parse_bytes("2GiB") == 2 ** 31 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
         parse_bytes("2 lots")

@@ -1,6 +1,6 @@
 """Paged attention equals dense attention on random ragged layouts (shuffled pages, padding, -1 slots), on XLA's
-gathered path and on the in-place CPU kernel (kernels/paged_attention.cc); the K/V write kernel
-(kernels/kv_write.cc) equals XLA's scatter."""
+gathered path and on the in-place CPU kernel (kernels/paged_attention.cc), over float32 and 16-bit pools; the K/V
+write kernel (kernels/kv_write.cc) equals XLA's scatter."""
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,11 @@ from tests.helpers import native_attention_kernel, native_kernels
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["xla", "kernel"])
-@pytest.mark.parametrize("seed", range(5))
-def test_paged_equals_dense_on_random_ragged_layouts(seed, native):
+@pytest.mark.parametrize(("seed", "pool_dtype"), [(seed, "float32") for seed in range(5)]
+                         + [(0, "float16"), (3, "float16"), (2, "bfloat16"), (4, "bfloat16")])
+def test_paged_equals_dense_on_random_ragged_layouts(seed, pool_dtype, native):
+    """A 16-bit pool holds every key rounded to its dtype, this step's own rows included: the dense oracle attends
+    over the rounded keys in float32."""
     kernel = native_attention_kernel() if native else None
     rng = np.random.default_rng(seed)
     b, n_heads, kv_heads, hd = 3, 6, 2, 32
@@ -48,8 +51,8 @@ def test_paged_equals_dense_on_random_ragged_layouts(seed, native):
     k_dense = rng.normal(size=(b, s_max, kv_heads, hd)).astype(np.float32)
     v_dense = rng.normal(size=(b, s_max, kv_heads, hd)).astype(np.float32)
     # Fill the pool with garbage, then write every sequence's keys at their slots (including this step's).
-    k_pool = jnp.asarray(rng.normal(size=(kv_heads, num_pages, page_size, hd)).astype(np.float32))
-    v_pool = jnp.asarray(rng.normal(size=(kv_heads, num_pages, page_size, hd)).astype(np.float32))
+    k_pool = jnp.asarray(rng.normal(size=(kv_heads, num_pages, page_size, hd)), pool_dtype)
+    v_pool = jnp.asarray(rng.normal(size=(kv_heads, num_pages, page_size, hd)), pool_dtype)
     slots = np.full((b, s_max), -1, np.int32)
     for i in range(b):
         p = np.arange(lens[i])
@@ -75,8 +78,9 @@ def test_paged_equals_dense_on_random_ragged_layouts(seed, native):
     scale = hd ** -0.5
     paged = np.asarray(paged_attention(jnp.asarray(q), k_pool, v_pool, jnp.asarray(table), jnp.asarray(positions),
                                        jnp.asarray(valid), jnp.asarray(k_new), jnp.asarray(v_new), scale, kernel))
-    dense = np.asarray(dense_attention(jnp.asarray(q), jnp.asarray(k_dense), jnp.asarray(v_dense),
-                                       jnp.asarray(positions), scale))
+    stored = [jnp.asarray(x).astype(pool_dtype).astype(jnp.float32) for x in (k_dense, v_dense)]
+    dense = np.asarray(dense_attention(jnp.asarray(q), *stored, jnp.asarray(positions), scale))
+    assert paged.dtype == np.float32
     for i in range(b):
         np.testing.assert_allclose(paged[i, :new[i]], dense[i, :new[i]], atol=1e-5, rtol=1e-5)
     assert np.isfinite(paged).all(), "padding queries must not produce NaN"
@@ -117,13 +121,14 @@ def test_kv_write_kernel_equals_xla_scatter_in_place(dtype):
             np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(g, np.float32))
 
 
-@pytest.mark.parametrize("start", [40, 254])
-@pytest.mark.parametrize("hd", [64, 128])
-def test_kernel_verification_rows_equal_decoding_rows_bit_for_bit(hd, start):
+@pytest.mark.parametrize(("hd", "start", "pool_dtype"), [(64, 40, "float32"), (64, 254, "float32"),
+                                                       (128, 40, "float32"), (128, 254, "float32"),
+                                                       (64, 254, "float16"), (128, 40, "bfloat16")])
+def test_kernel_verification_rows_equal_decoding_rows_bit_for_bit(hd, start, pool_dtype):
     """Row t of a verification over `start` cached rows and 4 new ones equals, bit for bit, plain decoding's row at
     the same position over start + t cached rows and its own, and the verification's rows do not change beside
     another sequence: the kernel's result depends only on the keys a row sees (254: the new rows straddle the chunk
-    boundary at 256)."""
+    boundary at 256), 16-bit pools included (the new rows are rounded as the pool stores them)."""
     kernel = native_attention_kernel()
     rng = np.random.default_rng(hd + start)
     n_heads, kv_heads, page_size, t = 6, 2, 16, 4
@@ -134,8 +139,8 @@ def test_kernel_verification_rows_equal_decoding_rows_bit_for_bit(hd, start):
     q = jnp.asarray(rng.normal(size=(1, t, n_heads, hd)).astype(np.float32))
     pos = np.arange(start + t)
     slots = jnp.asarray((np.asarray(table)[0][pos // page_size] * page_size + pos % page_size)[None].astype(np.int32))
-    k_pool = write_pages(jnp.zeros((kv_heads, pages + 1, page_size, hd)), slots, jnp.asarray(k_all))
-    v_pool = write_pages(jnp.zeros((kv_heads, pages + 1, page_size, hd)), slots, jnp.asarray(v_all))
+    k_pool = write_pages(jnp.zeros((kv_heads, pages + 1, page_size, hd), pool_dtype), slots, jnp.asarray(k_all))
+    v_pool = write_pages(jnp.zeros((kv_heads, pages + 1, page_size, hd), pool_dtype), slots, jnp.asarray(v_all))
     causal = jnp.asarray(np.tril(np.ones((t, t), bool))[None])
     verify = pages_and_new_attention(q, k_pool, v_pool, table, jnp.asarray([start]), jnp.asarray(k_all[:, start:]),
                                      jnp.asarray(v_all[:, start:]), causal, hd ** -0.5, kernel)
@@ -154,6 +159,7 @@ def test_kernel_verification_rows_equal_decoding_rows_bit_for_bit(hd, start):
     both = pages_and_new_attention(q2, k_pool, v_pool, tables, jnp.asarray([start, other]), k2, v2,
                                    jnp.concatenate([causal, causal]), hd ** -0.5, kernel)
     np.testing.assert_array_equal(np.asarray(both[:1]), np.asarray(verify))
+    k_all, v_all = (np.asarray(jnp.asarray(x).astype(pool_dtype).astype(jnp.float32)) for x in (k_all, v_all))
     dense = dense_attention(q, jnp.asarray(k_all), jnp.asarray(v_all), jnp.asarray(pos[start:][None]), hd ** -0.5)
     np.testing.assert_allclose(np.asarray(verify), np.asarray(dense), atol=1e-5, rtol=1e-5)
 

@@ -44,8 +44,8 @@ def run(target, proposer, pweights, prompts, params, config, **kw):
     return seqs, engine
 
 
-def big_pool(page_size=8):
-    return EngineConfig(page_size=page_size, max_model_len=MAX_LEN, max_num_seqs=8)
+def big_pool(page_size=8, kv_cache_dtype="auto"):
+    return EngineConfig(page_size=page_size, max_model_len=MAX_LEN, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
 
 
 def padded_engine(target, proposer, pweights, config):
@@ -183,13 +183,16 @@ def test_steps_padded_into_larger_ready_shapes_stay_lossless(setup, ar_greedy, a
     assert engine.allocator.num_used == 0
 
 
-def test_int8_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_int8_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dirs, tmp_path, kv_cache_dtype):
     """The default CPU runtime of a GGUF target: every product on the int8-activation kernels, where a one-ulp
     difference upstream can move an activation across a rounding boundary (docs/results/kflat.md, session 31).
     So every row must be computed the same way whatever shares its step: batched plain decoding equals each
     request decoded alone, and DFlash batched (block 8: up to 40 verified rows, wider than the float32 kernels
     take), with only the largest shapes compiled (every step padded), and a noisy oracle with preemption equal it.
-    (Not the cache-free reference loop: its dense XLA attention rounds differently from the paged kernel's.)"""
+    (Not the cache-free reference loop: its dense XLA attention rounds differently from the paged kernel's.)  Over
+    a float32 cache and a float16 one (where prefill's XLA attention and the kernel must round the step's own rows
+    as the pool stores them)."""
     from tests.helpers import kernels_expected, write_gguf_from_hf
 
     path = str(tmp_path / "llama-Q4_1.gguf")  # head_dim 16: every attention on the kernel (qwen3's 24 is not)
@@ -204,19 +207,24 @@ def test_int8_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dir
     rng = np.random.default_rng(12)
     prompts = [random_prompt(rng, n) for n in PROMPT_LENS]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
-    ar, _ = run(target, NoProposer(), None, prompts, params, big_pool())
+    ar, engine = run(target, NoProposer(), None, prompts, params, big_pool(kv_cache_dtype=kv_cache_dtype))
+    assert engine.kv.k[0].dtype == ("float32" if kv_cache_dtype == "auto" else kv_cache_dtype)
+    assert engine.decode_pages_free  # decode steps read the pages in place: on the kernel, 16-bit pools too
     outs = [s.output_ids for s in ar]
-    alone = EngineConfig(page_size=8, max_model_len=MAX_LEN, max_num_seqs=1)
+    alone = EngineConfig(page_size=8, max_model_len=MAX_LEN, max_num_seqs=1, kv_cache_dtype=kv_cache_dtype)
     for i in (1, 3):
         [seq], _ = run(target, NoProposer(), None, prompts[i:i + 1], params[i:i + 1], alone)
         assert seq.output_ids == outs[i]
-    spec, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params, big_pool(page_size=4))
+    spec, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params,
+                  big_pool(page_size=4, kv_cache_dtype=kv_cache_dtype))
     assert [s.output_ids for s in spec] == outs
-    config = EngineConfig(page_size=4, max_model_len=MAX_LEN, max_num_seqs=8, num_draft_tokens=7)
+    config = EngineConfig(page_size=4, max_model_len=MAX_LEN, max_num_seqs=8, num_draft_tokens=7,
+                          kv_cache_dtype=kv_cache_dtype)
     engine, built = padded_engine(target, DFlashProposer(dcfg, 8), dweights, config)
     assert [s.output_ids for s in engine.generate(prompts, params)] == outs
     assert set(engine.programs.runs) == built
-    config = EngineConfig(page_size=2, num_pages=50, max_model_len=MAX_LEN, max_num_seqs=4)
+    config = EngineConfig(page_size=2, num_pages=50, max_model_len=MAX_LEN, max_num_seqs=4,
+                          kv_cache_dtype=kv_cache_dtype)
     seqs, _ = run(target, NoisyOracle(prompts, outs, k=5), None, prompts, params, config)
     assert [s.output_ids for s in seqs] == outs
     assert sum(s.stats.num_preemptions for s in seqs) >= 1

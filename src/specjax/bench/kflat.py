@@ -33,13 +33,13 @@ def time_call(fn, repeats: int, warmup: int = 2) -> list[float]:
 
 
 def verify_costs(tcfg, tweights, qs, context_len: int, repeats: int = 15, batch: int = 1, page_size: int = 16,
-                 progress=None, proposer=None, pweights=None) -> list[dict]:
+                 progress=None, proposer=None, pweights=None, kv_dtype=None) -> list[dict]:
     """Median seconds of one decode step verifying q tokens after `context_len` cached tokens, for each q.
 
     With no proposer the step verifies q - 1 zero drafts (the verify cost alone); with a device proposer
     (DFlashProposer) it is the whole speculative step: the drafter proposes q - 1 tokens, the target verifies
     them, and both caches are committed."""
-    steps = verify_steps(tcfg, tweights, qs, context_len, batch, page_size, proposer, pweights)
+    steps = verify_steps(tcfg, tweights, qs, context_len, batch, page_size, proposer, pweights, kv_dtype)
     for q in qs:  # compile and warm up every q first ...
         time_call(steps[q], 0)
     times = {q: [] for q in qs}
@@ -57,16 +57,18 @@ def verify_costs(tcfg, tweights, qs, context_len: int, repeats: int = 15, batch:
 
 
 def verify_steps(tcfg, tweights, qs, context_len: int, batch: int = 1, page_size: int = 16, proposer=None,
-                 pweights=None) -> dict:
+                 pweights=None, kv_dtype=None) -> dict:
     """{q: step()} for verify_costs (and scripts/profile_step.py): each call runs one decode step of q tokens per
-    sequence over its own KV pool and commits it; returns the accepted counts (block on them to time it)."""
+    sequence over its own KV pool (of `kv_dtype`, default the activations') and commits it; returns the accepted
+    counts (block on them to time it)."""
     proposer = proposer or NoProposer()
     if pweights is not None and hasattr(proposer, "prepare"):
         pweights = proposer.prepare(pweights, tweights)
     max_tokens = context_len + max(qs)
     pages_per_seq = -(-max_tokens // page_size)
     num_pages = batch * pages_per_seq + 1
-    kv = init_kv_pages(tcfg.num_layers, num_pages, page_size, tcfg.num_kv_heads, tcfg.head_dim, tweights.embed.dtype)
+    kv = init_kv_pages(tcfg.num_layers, num_pages, page_size, tcfg.num_kv_heads, tcfg.head_dim,
+                       kv_dtype or tweights.embed.dtype)
     table = np.arange(1, num_pages, dtype=np.int32).reshape(batch, pages_per_seq)
     sampling = runner.SamplingBatch(jnp.zeros(batch), jnp.zeros(batch, jnp.int32), jnp.ones(batch),
                                     jnp.zeros(batch, jnp.int32))

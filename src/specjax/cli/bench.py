@@ -51,7 +51,7 @@ def cmd_bench(args) -> int:
         k = int(k) if k else (args.num_draft_tokens if name != "ar" else None)
         block = (args.block_size or k + 1) if (name == "dflash" and "@" in spec) else args.block_size
         cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=k,
-                           program_cache=program_cache)
+                           program_cache=program_cache, kv_cache_dtype=args.kv_cache_dtype)
         drafter = {"dflash": args.drafter, "eagle3": args.eagle3_drafter}.get(name)
         llms[spec] = LLM(args.model, drafter, name, block, cfg, args.dtype, target=target,
                          tensor_parallel_size=args.tensor_parallel_size)
@@ -92,6 +92,7 @@ def cmd_bench(args) -> int:
                          "num_draft_tokens": args.num_draft_tokens, "model": target.source,
                          "quant_kernels": target.quantized_kernels,
                          "kernel_activations": target.kernel_activations,
+                         "kv_cache_dtype": str(next(iter(llms.values())).engine.kv_dtype),
                          "drafters": {m: llm.drafter_path for m, llm in llms.items() if llm.drafter_path},
                          "command": " ".join(sys.argv)},
               "records": records}
@@ -107,6 +108,7 @@ def cmd_bench(args) -> int:
 
 def cmd_analyze_kflat(args) -> int:
     from specjax.bench.kflat import draft_costs, plot_kflat, verify_costs
+    from specjax.engine.engine import kv_cache_dtype
     from specjax.llm import DTYPES, build_proposer
     from specjax.model.loader import load_model
 
@@ -127,11 +129,13 @@ def cmd_analyze_kflat(args) -> int:
         show.base = show.base or r["median_s"]
         show(r)
 
+    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, target.weights.embed.dtype)
     results = verify_costs(target.config, target.weights, qs, args.context, args.repeats, args.batch,
-                           progress=progress)
+                           progress=progress, kv_dtype=kv_dtype)
     record = {"kind": "kflat", "model": target.source, "quant_kernels": target.quantized_kernels,
               "kernel_activations": target.kernel_activations,
-              "context": args.context, "batch": args.batch, "dtype": args.dtype, "results": results,
+              "context": args.context, "batch": args.batch, "dtype": args.dtype, "kv_cache_dtype": str(kv_dtype),
+              "results": results,
               "machine": machine_info()}
     if args.drafter:
         proposer, pweights = build_proposer("dflash", target, args.drafter)

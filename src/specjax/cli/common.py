@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from specjax.config import KV_CACHE_DTYPES
 from specjax.kernels import ACTIVATIONS
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")
@@ -61,6 +62,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_quant_kernel_arg(p: argparse.ArgumentParser) -> None:
+    """The CPU runtime's options: the GGUF kernels, their activations, and the KV cache's dtype."""
     p.add_argument("--quant-kernels", default=True, action=argparse.BooleanOptionalAction,
                    help="GGUF targets: multiply Q4_0/Q4_1/Q8_0 weights in their blocks with specjax's CPU kernels "
                         "(every product with int8 activations, up to 12 tokens with float32 ones; float32, one "
@@ -69,6 +71,9 @@ def add_quant_kernel_arg(p: argparse.ArgumentParser) -> None:
                    help="how those kernels take their activations: int8 per block of 32 (llama.cpp's scheme, "
                         "faster; ~1e-3 relative error in a product) or float32 (the float32 product of the "
                         "dequantized weights, to rounding)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="dtype of the target's KV cache (auto: the activations'); a 16-bit cache holds twice the "
+                        "tokens and is read in half the time, at a rounding of every key and value")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

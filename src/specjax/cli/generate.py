@@ -25,7 +25,8 @@ def cmd_generate(args) -> int:
     llm = LLM(args.model, args.drafter, args.method, args.block_size,
               EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=1,
                            num_draft_tokens=args.num_draft_tokens,
-                           adaptive_k=args.adaptive_k and args.method != "ar", program_cache=program_cache),
+                           adaptive_k=args.adaptive_k and args.method != "ar", program_cache=program_cache,
+                           kv_cache_dtype=args.kv_cache_dtype),
               dtype=args.dtype, seed=args.seed or 0,
               ngram=tuple(int(x) for x in args.ngram.split(",")), tensor_parallel_size=args.tensor_parallel_size,
               quant_kernels=args.quant_kernels, kernel_activations=args.kernel_activations)

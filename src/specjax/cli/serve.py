@@ -34,7 +34,7 @@ def build_server(args):
                        num_draft_tokens=args.num_draft_tokens,
                        adaptive_k=args.adaptive_k and args.method != "ar", prefill_chunk=args.prefill_chunk,
                        page_bucket_factor=args.page_bucket_factor, max_step_programs=args.max_step_programs,
-                       program_cache=getattr(args, "program_cache", None))
+                       program_cache=getattr(args, "program_cache", None), kv_cache_dtype=args.kv_cache_dtype)
     import jax
 
     from specjax.config import ConfigError

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
@@ -52,12 +53,19 @@ class StepOutput:
     finish_reason: str | None
 
 
-def page_bytes(tcfg: ModelConfig, proposer, page_size: int, dtype) -> int:
-    """Device bytes one KV page costs: the target's K and V rows plus the proposer's paged state, if any (shapes
-    of the very pools the engine allocates, never allocated here)."""
+def kv_cache_dtype(choice: str, dtype) -> jnp.dtype:
+    """The target KV pools' dtype for EngineConfig.kv_cache_dtype `choice` and activations of `dtype`: "auto" is
+    the activations' dtype."""
+    return jnp.dtype(dtype if choice == "auto" else choice)
+
+
+def page_bytes(tcfg: ModelConfig, proposer, page_size: int, dtype, kv_dtype=None) -> int:
+    """Device bytes one KV page costs: the target's K and V rows (of `kv_dtype`, default `dtype`) plus the
+    proposer's paged state (of `dtype`), if any (shapes of the very pools the engine allocates, never allocated
+    here)."""
     def pool_bytes(pages: int) -> int:
         shapes = jax.eval_shape(lambda: (
-            init_kv_pages(tcfg.num_layers, pages, page_size, tcfg.num_kv_heads, tcfg.head_dim, dtype),
+            init_kv_pages(tcfg.num_layers, pages, page_size, tcfg.num_kv_heads, tcfg.head_dim, kv_dtype or dtype),
             proposer.init_state(pages, page_size, dtype)))
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
 
@@ -66,13 +74,14 @@ def page_bytes(tcfg: ModelConfig, proposer, page_size: int, dtype) -> int:
 
 def one_sequence_bytes(config: EngineConfig, tcfg: ModelConfig, proposer, dtype) -> int:
     """The smallest KV pool that serves `config`: one max_model_len sequence plus the scratch page."""
-    return (config.max_pages_per_seq + 1) * page_bytes(tcfg, proposer, config.page_size, dtype)
+    return (config.max_pages_per_seq + 1) * page_bytes(tcfg, proposer, config.page_size, dtype,
+                                                       kv_cache_dtype(config.kv_cache_dtype, dtype))
 
 
 def pool_from_budget(config: EngineConfig, tcfg: ModelConfig, proposer, dtype) -> EngineConfig:
     """`config` with num_pages = the pages that fit in kv_cache_memory (scratch page included), at most what
     max_num_seqs full-length sequences can use."""
-    per_page = page_bytes(tcfg, proposer, config.page_size, dtype)
+    per_page = page_bytes(tcfg, proposer, config.page_size, dtype, kv_cache_dtype(config.kv_cache_dtype, dtype))
     pages = min(config.kv_cache_memory // per_page, config.pool_pages)
     if pages < config.max_pages_per_seq + 1:
         need = one_sequence_bytes(config, tcfg, proposer, dtype)
@@ -120,8 +129,10 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids) or tcfg.eos_token_ids
         self.allocator = PageAllocator(config.pool_pages, config.page_size)
         dtype = tweights.embed.dtype
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
         self.kv = zeros_like_tree(lambda: init_kv_pages(tcfg.num_layers, config.pool_pages, config.page_size,
-                                                        tcfg.num_kv_heads, tcfg.head_dim, dtype), mesh, kv_spec())
+                                                        tcfg.num_kv_heads, tcfg.head_dim, self.kv_dtype), mesh,
+                                  kv_spec())
         self.pstate = zeros_like_tree(lambda: self.proposer.init_state(config.pool_pages, config.page_size, dtype),
                                       mesh, PartitionSpec())
         # the pools are zeros: only the pages a step writes need to be resident (hostmem.release_zero_pages)
@@ -155,8 +166,8 @@ class LLMEngine:
         self.min_decode_pages = 1  # decode page tables are at least this wide (set by a background warm-up)
         # Decode steps whose every page read goes to the in-place attention kernel (the CPU kernels, up to its query
         # limit) cost the same at any page-table width: they all pass the widest, one program per (batch, K).
-        self.decode_pages_free = (reads_pages_in_place(tweights.attention_kernel, max(self.k_options) + 1, dtype,
-                                                       tcfg.head_dim, tweights.attention_any_queries)
+        self.decode_pages_free = (reads_pages_in_place(tweights.attention_kernel, max(self.k_options) + 1,
+                                                       self.kv_dtype, tcfg.head_dim, tweights.attention_any_queries)
                                   and self.proposer.pages_in_place(tweights.attention_kernel, dtype))
 
     def memory_bytes(self) -> dict[str, dict[str, int]]:

@@ -15,15 +15,20 @@
 // rows and the drafts before it is bit-identical to plain decoding's row over L + t cached rows, whatever the
 // number of rows or sequences in the call.
 //
-// Shapes: q [B, T, N, H], k_pool / v_pool [K, P, Z, H], page_table [B, Pg] int32, lengths [B] int32, k_new /
-// v_new [B, T2, K, H], visible [B, T, T2] int32; out [B, T, N, H].  H a multiple of 16 up to 256.  AVX-512F or
-// AVX2 + FMA (simd.h).  Work items are claimed by the caller and the kernels' helper threads (workers.h).
+// The K/V rows are float32, float16 or bfloat16 (the pools and the new rows alike: a KV cache stored at 16 bits
+// reads half the bytes); each is widened to float32 exactly as it is read, and everything after is float32.
+//
+// Shapes: q [B, T, N, H] float32, k_pool / v_pool [K, P, Z, H], page_table [B, Pg] int32, lengths [B] int32,
+// k_new / v_new [B, T2, K, H], visible [B, T, T2] int32; out [B, T, N, H] float32.  H a multiple of 16 up to 256.
+// AVX-512F or AVX2 + FMA (simd.h).  Work items are claimed by the caller and the kernels' helper threads
+// (workers.h).
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -40,8 +45,23 @@ using namespace specjax_simd;
 constexpr float kMask = -1e30f;  // model/layers.py MASK_VALUE
 constexpr int kMaxVec = 256 / kLanes;  // H <= 256
 
+// The stored element types of K/V rows, and each one's float32 load of kLanes values.
+struct F16 {
+  uint16_t bits;
+};
+struct BF16 {
+  uint16_t bits;
+};
+inline Vec LoadRow(const float* p) { return Load(p); }
+inline Vec LoadRow(const F16* p) { return F16ToFloat(&p->bits); }
+inline Vec LoadRow(const BF16* p) { return BF16ToFloat(&p->bits); }
+
+enum class Stored { kF32, kF16, kBF16 };
+
 struct Args {
-  const float *q, *k_pool, *v_pool, *k_new, *v_new;
+  const float* q;
+  const void *k_pool, *v_pool, *k_new, *v_new;  // all of `stored` type
+  Stored stored;
   const int32_t *table, *lengths, *visible;
   float* out;
   int64_t kv_heads, batch, steps, heads, head_dim, pages, page_size, table_width, new_rows, rows;  // rows = T x G
@@ -63,14 +83,14 @@ struct Parts {
 // of o += p[r, s] v_s over the n cached rows in s order, the block's accumulators in registers (the V rows are read
 // from cache once per block instead of o's rows from memory once per position); each output element is still one
 // FMA per position in s order, so the sums are the same whatever the blocking.
-template <int RG, int VG>
-void PvBlock(const float* const* vrows, int64_t n, const float* p, int64_t ps, int64_t c, float* o, int64_t H) {
+template <class T, int RG, int VG>
+void PvBlock(const T* const* vrows, int64_t n, const float* p, int64_t ps, int64_t c, float* o, int64_t H) {
   Vec acc[RG][VG];
   for (int r = 0; r < RG; ++r)
     for (int j = 0; j < VG; ++j) acc[r][j] = Zero();
   for (int64_t i = 0; i < n; ++i) {
     Vec vv[VG];
-    for (int j = 0; j < VG; ++j) vv[j] = Load(vrows[i] + c + kLanes * j);
+    for (int j = 0; j < VG; ++j) vv[j] = LoadRow(vrows[i] + c + kLanes * j);
     for (int r = 0; r < RG; ++r) {
       const Vec pv = Set1(p[r * ps + i]);
       for (int j = 0; j < VG; ++j) acc[r][j] = Fma(pv, vv[j], acc[r][j]);
@@ -82,12 +102,14 @@ void PvBlock(const float* const* vrows, int64_t n, const float* p, int64_t ps, i
 
 // A PvBlock's rows x vectors: 16 accumulators in AVX-512's 32 registers, 8 in AVX2's 16.
 constexpr int kRowGroup = kLanes == 16 ? 4 : 2, kVecGroup = 4;
-using PvFn = void (*)(const float* const*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-template <int... I>
-constexpr std::array<PvFn, sizeof...(I)> PvTable(std::integer_sequence<int, I...>) {
-  return {&PvBlock<I / kVecGroup + 1, I % kVecGroup + 1>...};
+template <class T>
+using PvFn = void (*)(const T* const*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+template <class T, int... I>
+constexpr std::array<PvFn<T>, sizeof...(I)> PvTable(std::integer_sequence<int, I...>) {
+  return {&PvBlock<T, I / kVecGroup + 1, I % kVecGroup + 1>...};
 }
-constexpr auto kPvBlocks = PvTable(std::make_integer_sequence<int, kRowGroup * kVecGroup>());
+template <class T>
+constexpr auto kPvBlocks = PvTable<T>(std::make_integer_sequence<int, kRowGroup * kVecGroup>());
 
 // One query row's scaled scores against kLanes K rows, a lane each: kLanes-lane products accumulated over H in
 // order, then the lanes summed by SumEach's tree.  A K row is read whole before the next: the rows stream in
@@ -128,19 +150,30 @@ inline Vec Scores(const float* q, const float* const* kr, int64_t nv) {
 // positions fill the lanes where vectors over rows used 3 of 16).  Scores are kept per row, st[r, i], a row's
 // positions padded to whole vectors with kMask; a new row a query does not see scores kMask too, so its p is
 // exactly 0 (Exp) and it adds exact zeros to the row's sums.  Every row's arithmetic is the same whatever R is.
+// 16-bit K rows are widened into kt, kLanes rows at a time, once for all R query rows (V rows as they are read).
+template <class T>
 void Chunk(const Args& a, const Parts& parts, int64_t kh, int64_t b, int64_t s0, int64_t s1, const float* qs,
-           Floats& st, float* om, float* mm, float* lm) {
+           Floats& st, Floats& kt, float* om, float* mm, float* lm) {
   const int64_t H = a.head_dim, R = a.rows, Z = a.page_size, nv = H / kLanes, G = a.heads / a.kv_heads;
   const int64_t n = s1 - s0, ns = (n + kLanes - 1) / kLanes * kLanes, cached = parts.cached[b], T2 = a.new_rows;
   st.resize(R * ns);
   const int32_t* table = a.table + b * a.table_width;
-  auto row = [&](const float* pool, const float* fresh, int64_t s) {  // position s's K or V row
-    if (s >= cached) return fresh + ((b * T2 + s - cached) * a.kv_heads + kh) * H;
-    return pool + kh * a.pages * Z * H + (static_cast<int64_t>(table[s / Z]) * Z + s % Z) * H;
+  auto row = [&](const void* pool, const void* fresh, int64_t s) -> const T* {  // position s's K or V row
+    if (s >= cached) return static_cast<const T*>(fresh) + ((b * T2 + s - cached) * a.kv_heads + kh) * H;
+    return static_cast<const T*>(pool) + kh * a.pages * Z * H + (static_cast<int64_t>(table[s / Z]) * Z + s % Z) * H;
   };
+  if constexpr (!std::is_same_v<T, float>) kt.resize(kLanes * H);
   for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
     const float* kr[kLanes];
-    for (int64_t i = 0; i < kLanes; ++i) kr[i] = row(a.k_pool, a.k_new, s0 + i0 + (i0 + i < n ? i : 0));
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const T* k = row(a.k_pool, a.k_new, s0 + i0 + (i0 + i < n ? i : 0));
+      if constexpr (std::is_same_v<T, float>) {
+        kr[i] = k;
+      } else {
+        for (int64_t j = 0; j < nv; ++j) Store(kt.data() + i * H + kLanes * j, LoadRow(k + kLanes * j));
+        kr[i] = kt.data() + i * H;
+      }
+    }
     for (int64_t r = 0; r < R; ++r) Store(st.data() + r * ns + i0, Scores(qs + r * H, kr, nv));
   }
   const int32_t* vis = a.visible + b * a.steps * T2;
@@ -162,13 +195,13 @@ void Chunk(const Args& a, const Parts& parts, int64_t kh, int64_t b, int64_t s0,
     mm[r] = m;
     lm[r] = Sum(sum);
   }
-  const float* vrows[kChunk];
+  const T* vrows[kChunk];
   for (int64_t i = 0; i < n; ++i) vrows[i] = row(a.v_pool, a.v_new, s0 + i);
   for (int64_t r0 = 0; r0 < R; r0 += kRowGroup) {  // o[r] += p[r, s] v_s in s order, a block of o in registers
     for (int64_t j0 = 0; j0 < nv; j0 += kVecGroup) {
       const int rg = R - r0 < kRowGroup ? static_cast<int>(R - r0) : kRowGroup;
       const int vg = nv - j0 < kVecGroup ? static_cast<int>(nv - j0) : kVecGroup;
-      kPvBlocks[(rg - 1) * kVecGroup + vg - 1](vrows, n, st.data() + r0 * ns, ns, j0 * kLanes, om + r0 * H, H);
+      kPvBlocks<T>[(rg - 1) * kVecGroup + vg - 1](vrows, n, st.data() + r0 * ns, ns, j0 * kLanes, om + r0 * H, H);
     }
   }
 }
@@ -211,7 +244,16 @@ struct Call {
   std::atomic<int64_t> unmerged{0};  // pairs with chunks whose merge is not done: the caller returns at 0
 
   void Work() {
-    Floats st;
+    switch (a.stored) {
+      case Stored::kF32: return WorkOn<float>();
+      case Stored::kF16: return WorkOn<F16>();
+      case Stored::kBF16: return WorkOn<BF16>();
+    }
+  }
+
+  template <class T>
+  void WorkOn() {
+    Floats st, kt;
     const int64_t R = a.rows, H = a.head_dim;
     int64_t pair = 0;
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
@@ -219,8 +261,8 @@ struct Call {
       const int64_t c = it - first[pair], b = pair % a.batch;
       const int64_t s0 = c * kChunk, s1 = std::min(parts.cached[b] + a.new_rows, s0 + kChunk);
       const int64_t slot = pair * parts.chunks + c;
-      Chunk(a, parts, pair / a.batch, b, s0, s1, parts.qs.data() + pair * R * H, st, parts.o.data() + slot * R * H,
-            parts.m.data() + slot * R, parts.l.data() + slot * R);
+      Chunk<T>(a, parts, pair / a.batch, b, s0, s1, parts.qs.data() + pair * R * H, st, kt,
+               parts.o.data() + slot * R * H, parts.m.data() + slot * R, parts.l.data() + slot * R);
       if (parts.left[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the pair's last chunk: merge it
         Merge(a, parts, pair, first[pair + 1] - first[pair]);
         unmerged.fetch_sub(1, std::memory_order_release);
@@ -229,10 +271,10 @@ struct Call {
   }
 };
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
-                          ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> page_table,
-                          ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                          ffi::Buffer<ffi::S32> visible, float scale, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
+                          ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> lengths,
+                          ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> visible, float scale,
+                          ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_pool.dimensions(), td = page_table.dimensions(), nd = k_new.dimensions(),
              vd = visible.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || nd.size() != 4 || vd.size() != 3 || kd[3] != qd[3] ||
@@ -248,9 +290,17 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (qd[3] % 16 != 0 || qd[3] > kLanes * kMaxVec) {
     return ffi::Error::InvalidArgument("specjax paged attention: head_dim must be a multiple of 16, at most 256");
   }
+  const ffi::DataType kv = k_pool.element_type();
+  if ((kv != ffi::DataType::F32 && kv != ffi::DataType::F16 && kv != ffi::DataType::BF16) ||
+      v_pool.element_type() != kv || k_new.element_type() != kv || v_new.element_type() != kv) {
+    return ffi::Error::InvalidArgument("specjax paged attention: the pools and new K/V rows must all be float32, all "
+                                       "float16 or all bfloat16");
+  }
+  const Stored stored = kv == ffi::DataType::F32 ? Stored::kF32 : kv == ffi::DataType::F16 ? Stored::kF16
+                                                                                         : Stored::kBF16;
   const int64_t K = kd[0], G = qd[2] / K;
-  Args a{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), k_new.typed_data(), v_new.typed_data(),
-         page_table.typed_data(), lengths.typed_data(), visible.typed_data(), out->typed_data(),
+  Args a{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(), k_new.untyped_data(), v_new.untyped_data(),
+         stored, page_table.typed_data(), lengths.typed_data(), visible.typed_data(), out->typed_data(),
          K, qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], td[1], nd[1], qd[1] * G, scale};
   const int64_t pairs = a.kv_heads * a.batch, R = a.rows, H = a.head_dim;
   // Everything a helper thread touches lives in `c`, held by the helpers (shared_ptr), so the caller returns as
@@ -305,8 +355,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPagedAttention, PagedAttention,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>().Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -44,6 +44,8 @@ inline Vec ToFloat(IVec v) { return _mm512_cvtepi32_ps(v); }
 inline Vec BF16ToFloat(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+// kLanes IEEE float16 values at p as float32 (exact: every float16 is a float32)
+inline Vec F16ToFloat(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
 // Lane i of the result = the sum of v[i]'s lanes, for kLanes vectors: a transposing tree of adds (pairs of lanes
 // within 128-bit quarters, then quarters), the same tree for every i, so each sum's order depends on nothing else.
@@ -115,6 +117,7 @@ inline Vec ToFloat(IVec v) { return _mm256_cvtepi32_ps(v); }
 inline Vec BF16ToFloat(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+inline Vec F16ToFloat(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 
 // Lane i of the result = the sum of v[i]'s lanes, for kLanes vectors (the same transposing tree for every i).
 inline Vec SumEach(const Vec* v) {

@@ -105,13 +105,17 @@ def cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, n
 KERNEL_MAX_QUERIES = 8
 
 
+# The pool dtypes kernels/paged_attention.cc reads (a 16-bit pool is widened to float32 as it is read).
+KERNEL_POOL_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+
+
 def reads_pages_in_place(kernel: str | None, queries: int, dtype, head_dim: int, any_queries: bool = False) -> bool:
     """Does attention of `queries` rows per sequence over `dtype` pools of `head_dim` go to the in-place kernel
     (up to KERNEL_MAX_QUERIES of them, or any number with `any_queries`: TargetWeights.attention_any_queries)?
     Its cost then does not depend on the page table's width (it reads each sequence's cached rows only), so a step
     may pass the widest table at no cost; the gathered path copies every page of the table."""
     return (kernel is not None and (queries <= KERNEL_MAX_QUERIES or any_queries)
-            and jnp.dtype(dtype) == jnp.float32 and kernel_fits(head_dim))
+            and jnp.dtype(dtype) in KERNEL_POOL_DTYPES and kernel_fits(head_dim))
 
 
 def kernel_fits(head_dim: int) -> bool:
@@ -136,18 +140,24 @@ def pages_and_new_attention(q, k_pool, v_pool, page_table, cache_lens, k_new, v_
     s < cache_lens[b] [B] and the new rows new_visible [B, T, T2] allows.  `kernel`: the registered FFI target of
     kernels/paged_attention.cc (TargetWeights.attention_kernel), which reads the pages in place and does the whole
     softmax (a row's result then depends only on the keys it sees: verification rows are bit-identical to plain
-    decoding's), for float32 calls of at most KERNEL_MAX_QUERIES queries per sequence (any number with
-    `any_queries`); otherwise the pages are gathered and XLA attends over the copy."""
+    decoding's), for float32 queries, at most KERNEL_MAX_QUERIES per sequence (any number with `any_queries`);
+    otherwise the pages are gathered and XLA attends over the copy.  Either way the step's own rows are rounded to
+    the pools' dtype first, so a query sees every key as the pools store it (a float16 cache: as a later step
+    will read it back)."""
     b, t, n, h = q.shape
+    k_new, v_new = k_new.astype(k_pool.dtype), v_new.astype(v_pool.dtype)
     if not (reads_pages_in_place(kernel, t, k_pool.dtype, h, any_queries) and q.dtype == jnp.float32):
         k_cache, v_cache = gather_pages(k_pool, page_table), gather_pages(v_pool, page_table)
+        if k_cache.dtype != q.dtype:  # a 16-bit cache under wider queries: widen what was gathered
+            k_cache, v_cache = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
         cache_visible = jnp.arange(k_cache.shape[2])[None, :] < cache_lens[:, None]
-        return cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible, scale)
+        return cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new.astype(q.dtype),
+                                        v_new.astype(q.dtype), new_visible, scale)
     # one softmax over the cached rows (read in place) and the step's own rows, all in the kernel
     return jax.ffi.ffi_call(kernel, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k_pool, v_pool, page_table.astype(jnp.int32), cache_lens.astype(jnp.int32), k_new.astype(jnp.float32),
-        v_new.astype(jnp.float32), jnp.broadcast_to(new_visible, (b, t, k_new.shape[1])).astype(jnp.int32),
-        scale=np.float32(scale))
+        q, k_pool, v_pool, page_table.astype(jnp.int32), cache_lens.astype(jnp.int32), k_new, v_new,
+        jnp.broadcast_to(new_visible, (b, t, k_new.shape[1])).astype(jnp.int32), scale=np.float32(scale))
+
 
 
 def dense_attention(q, k, v, positions, scale):
