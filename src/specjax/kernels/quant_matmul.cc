@@ -158,12 +158,24 @@ inline void Group8(const Weights& w, int64_t g, const Acts& a, int64_t t0, float
       const int64_t tb = (t0 + t) * B + b;
       const int8_t* x = a.q + tb * 32;  // the block's 32 bytes in order
       __m256i s = K == kQ4_0 ? _mm256_set1_epi32(a.bias[tb]) : _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
+      auto xs = [x](int j) {  // x's bytes 4j .. 4j + 3 in every 32-bit lane
         int32_t four;
         std::memcpy(&four, x + 4 * j, 4);
-        __m256i xv = _mm256_set1_epi32(four);
-        if constexpr (K == kQ8_0) xv = _mm256_sign_epi8(xv, sg[j]);
-        s = DotBytes(s, u[j], xv);
+        return _mm256_set1_epi32(four);
+      };
+      if constexpr (K != kQ8_0 && !kVnni) {
+        // Without VNNI, Q4's codes (at most 15) let the 8 vpmaddubsw pair sums (|.| <= 2 * 15 * 127 each) add in
+        // int16 lanes exactly (|.| <= 30480) before one vpmaddwd widens them: 17 instructions a block and token
+        // instead of DotBytes' 24, the same integer sums.
+        __m256i s16 = _mm256_maddubs_epi16(u[0], xs(0));
+        for (int j = 1; j < 8; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u[j], xs(j)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          __m256i xv = xs(j);
+          if constexpr (K == kQ8_0) xv = _mm256_sign_epi8(xv, sg[j]);
+          s = DotBytes(s, u[j], xv);
+        }
       }
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[tb])), acc[t]);
       if constexpr (K == kQ4_1) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sums[tb]), acc[t]);

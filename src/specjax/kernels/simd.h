@@ -179,6 +179,11 @@ inline int32_t SumInt8(__m256i v) {  // the sum of 8 int32 lanes
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;  // vpdpbusd on 256-bit vectors
+#else
+constexpr bool kVnni = false;
+#endif
 // acc + the sums of 4 adjacent products of unsigned bytes u and signed bytes s, per int32 lane, exact where no
 // pair of products exceeds int16 (|u| <= 128, |s| <= 127): vpdpbusd with AVX-512 VNNI, else vpmaddubsw + vpmaddwd.
 inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
