@@ -412,8 +412,8 @@ class EngineConfig:
     """Directory of compiled step programs saved by earlier runs and loaded without tracing (engine/program_store.py;
     one device, one process; jax's persistent compilation cache must be off in this process); None = none."""
     kv_cache_dtype: str = "auto"
-    """dtype of the target's KV pools: "float32", "float16", "bfloat16", or "auto" (engine.kv_cache_dtype: the
-    activations' dtype).  A 16-bit cache holds twice the tokens per byte and is read in half the time; outputs
+    """dtype of the target's KV pools: "float32", "float16", "bfloat16", or "auto" (engine.kv_cache_dtype: float16
+    on the int8-activation GGUF kernels, as llama.cpp's default cache, else the activations' dtype).  A 16-bit cache holds twice the tokens per byte and is read in half the time; outputs
     differ from a float32 cache's as any rounding does, and speculative decoding stays lossless against plain
     decoding over the same cache."""
 

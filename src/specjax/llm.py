@@ -153,7 +153,7 @@ class LLM:
                 engine_config, num_draft_tokens=default_num_draft(proposer.max_draft_tokens, platform))
         budget = default_kv_cache_memory(platform)
         if budget and not engine_config.num_pages and not engine_config.kv_cache_memory:
-            floor = one_sequence_bytes(engine_config, self.target.config, proposer, DTYPES[dtype])
+            floor = one_sequence_bytes(engine_config, self.target.config, proposer, self.target.weights)
             engine_config = dataclasses.replace(engine_config, kv_cache_memory=max(budget, floor))
         tok = self.target.tokenizer
         eos = list(self.target.config.eos_token_ids)

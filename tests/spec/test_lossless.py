@@ -183,7 +183,7 @@ def test_steps_padded_into_larger_ready_shapes_stay_lossless(setup, ar_greedy, a
     assert engine.allocator.num_used == 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "auto"])
 def test_int8_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dirs, tmp_path, kv_cache_dtype):
     """The default CPU runtime of a GGUF target: every product on the int8-activation kernels, where a one-ulp
     difference upstream can move an activation across a rounding boundary (docs/results/kflat.md, session 31).
@@ -191,8 +191,7 @@ def test_int8_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dir
     request decoded alone, and DFlash batched (block 8: up to 40 verified rows, wider than the float32 kernels
     take), with only the largest shapes compiled (every step padded), and a noisy oracle with preemption equal it.
     (Not the cache-free reference loop: its dense XLA attention rounds differently from the paged kernel's.)  Over
-    a float32 cache and a float16 one (where prefill's XLA attention and the kernel must round the step's own rows
-    as the pool stores them)."""
+    a float32 cache and the default float16 one (the kernel rounds each step's own rows as the pool stores them)."""
     from tests.helpers import kernels_expected, write_gguf_from_hf
 
     path = str(tmp_path / "llama-Q4_1.gguf")  # head_dim 16: every attention on the kernel (qwen3's 24 is not)
@@ -208,7 +207,7 @@ def test_int8_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dir
     prompts = [random_prompt(rng, n) for n in PROMPT_LENS]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
     ar, engine = run(target, NoProposer(), None, prompts, params, big_pool(kv_cache_dtype=kv_cache_dtype))
-    assert engine.kv.k[0].dtype == ("float32" if kv_cache_dtype == "auto" else kv_cache_dtype)
+    assert engine.kv.k[0].dtype == ("float16" if kv_cache_dtype == "auto" else kv_cache_dtype)  # llama.cpp's cache
     assert engine.decode_pages_free  # decode steps read the pages in place: on the kernel, 16-bit pools too
     outs = [s.output_ids for s in ar]
     alone = EngineConfig(page_size=8, max_model_len=MAX_LEN, max_num_seqs=1, kv_cache_dtype=kv_cache_dtype)

@@ -129,7 +129,7 @@ def cmd_analyze_kflat(args) -> int:
         show.base = show.base or r["median_s"]
         show(r)
 
-    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, target.weights.embed.dtype)
+    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, target.weights)
     results = verify_costs(target.config, target.weights, qs, args.context, args.repeats, args.batch,
                            progress=progress, kv_dtype=kv_dtype)
     record = {"kind": "kflat", "model": target.source, "quant_kernels": target.quantized_kernels,

@@ -72,8 +72,9 @@ def add_quant_kernel_arg(p: argparse.ArgumentParser) -> None:
                         "faster; ~1e-3 relative error in a product) or float32 (the float32 product of the "
                         "dequantized weights, to rounding)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="dtype of the target's KV cache (auto: the activations'); a 16-bit cache holds twice the "
-                        "tokens and is read in half the time, at a rounding of every key and value")
+                   help="dtype of the target's KV cache (auto: float16 on the int8-activation kernels, as llama.cpp, "
+                        "else the activations'); a 16-bit cache holds twice the tokens and is read in half the "
+                        "time, at a rounding of every key and value")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
