@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.engine import runner
+from specjax.engine.engine import kv_cache_dtype
 from specjax.model.target import init_kv_pages
 from specjax.sampling import GREEDY
 from specjax.spec.proposer import NoProposer
@@ -59,8 +60,8 @@ def verify_costs(tcfg, tweights, qs, context_len: int, repeats: int = 15, batch:
 def verify_steps(tcfg, tweights, qs, context_len: int, batch: int = 1, page_size: int = 16, proposer=None,
                  pweights=None, kv_dtype=None) -> dict:
     """{q: step()} for verify_costs (and scripts/profile_step.py): each call runs one decode step of q tokens per
-    sequence over its own KV pool (of `kv_dtype`, default the activations') and commits it; returns the accepted
-    counts (block on them to time it)."""
+    sequence over its own KV pool (of `kv_dtype`, default the engine's: engine.kv_cache_dtype "auto") and commits
+    it; returns the accepted counts (block on them to time it)."""
     proposer = proposer or NoProposer()
     if pweights is not None and hasattr(proposer, "prepare"):
         pweights = proposer.prepare(pweights, tweights)
@@ -68,7 +69,7 @@ def verify_steps(tcfg, tweights, qs, context_len: int, batch: int = 1, page_size
     pages_per_seq = -(-max_tokens // page_size)
     num_pages = batch * pages_per_seq + 1
     kv = init_kv_pages(tcfg.num_layers, num_pages, page_size, tcfg.num_kv_heads, tcfg.head_dim,
-                       kv_dtype or tweights.embed.dtype)
+                       kv_dtype or kv_cache_dtype("auto", tweights))
     table = np.arange(1, num_pages, dtype=np.int32).reshape(batch, pages_per_seq)
     sampling = runner.SamplingBatch(jnp.zeros(batch), jnp.zeros(batch, jnp.int32), jnp.ones(batch),
                                     jnp.zeros(batch, jnp.int32))
