@@ -4,7 +4,10 @@ and the process's resident size.
 XLA:CPU takes each execution's temporaries (for a batched decode step, tens to hundreds of MB of gathered KV
 pages) from malloc.  glibc serves blocks above its mmap threshold with a fresh mmap and unmaps them on free, so
 every step page-faults its whole working set again: 48k minor faults, about half of a batch-8 SmolLM2 decode
-step (docs/results/kflat.md).  With mmap off, one arena and a high trim threshold the same blocks are reused.
+step (docs/results/kflat.md).  With mmap off and a high trim threshold the same blocks are reused.  Each thread
+keeps glibc's own arena: with one arena for all (as before session 48), the Python thread dispatching a step, XLA's
+executor threads and the kernels' helpers took one lock for every allocation, and a batch-1 decode step of the
+engine ran 1.19x slower (6 of 6 paired rounds; 4 arenas 1.12x, 2 arenas 1.06x).
 The price: memory freed after a peak stays mapped in the process (reused, not returned to the OS), so after a
 one-off peak (loading weights, compiling) `release_freed_memory` hands the free pages back explicitly.
 Linux/glibc only; SPECJAX_MALLOC_TUNING=0 leaves the allocator alone.
@@ -20,7 +23,7 @@ import gc
 import os
 import sys
 
-M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # mallopt parameters (glibc malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (glibc malloc.h)
 MADV_DONTNEED = 4  # linux/mman.h: private anonymous pages read back as zeros
 
 
@@ -30,7 +33,7 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_ARENA_MAX, 1) and libc.mallopt(M_MMAP_MAX, 0)
+        return bool(libc.mallopt(M_MMAP_MAX, 0)
                     and libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
     except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
         return False
