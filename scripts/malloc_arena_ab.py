@@ -83,8 +83,9 @@ def main() -> None:
                                  "call_ms": statistics.median(row[a]["call_ms"] for row in rounds),
                                  "speedup_vs_one_arena": statistics.median(vs_one) if vs_one else None,
                                  "faster_than_one_arena": sum(x > 1 for x in vs_one)}
-        print(f"arenas {a}: step {report['settings'][a]['step_ms']:.2f} ms, call "
-              f"{report['settings'][a]['call_ms']:.2f} ms, vs one arena {report['settings'][a]['speedup_vs_one_arena']}")
+        row = report["settings"][a]
+        print(f"arenas {a}: step {row['step_ms']:.2f} ms, call {row['call_ms']:.2f} ms, "
+              f"vs one arena {row['speedup_vs_one_arena']}")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)

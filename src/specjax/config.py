@@ -413,9 +413,9 @@ class EngineConfig:
     one device, one process; jax's persistent compilation cache must be off in this process); None = none."""
     kv_cache_dtype: str = "auto"
     """dtype of the target's KV pools: "float32", "float16", "bfloat16", or "auto" (engine.kv_cache_dtype: float16
-    on the int8-activation GGUF kernels, as llama.cpp's default cache, else the activations' dtype).  A 16-bit cache holds twice the tokens per byte and is read in half the time; outputs
-    differ from a float32 cache's as any rounding does, and speculative decoding stays lossless against plain
-    decoding over the same cache."""
+    on the int8-activation GGUF kernels, as llama.cpp's default cache, else the activations' dtype).  A 16-bit
+    cache holds twice the tokens per byte and is read in half the time; outputs differ from a float32 cache's as
+    any rounding does, and speculative decoding stays lossless against plain decoding over the same cache."""
 
     def __post_init__(self):
         for name in ("page_size", "max_model_len", "max_num_seqs", "prefill_chunk", "min_prefill_bucket"):
