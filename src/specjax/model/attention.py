@@ -159,7 +159,6 @@ def pages_and_new_attention(q, k_pool, v_pool, page_table, cache_lens, k_new, v_
         jnp.broadcast_to(new_visible, (b, t, k_new.shape[1])).astype(jnp.int32), scale=np.float32(scale))
 
 
-
 def dense_attention(q, k, v, positions, scale):
     """Oracle: causal attention over contiguous per-sequence K/V [B, S, K, H] (key j at position j)."""
     visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]
