@@ -77,7 +77,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--bursts", type=int, default=300, help="A/B burst pairs per q")
     p.add_argument("--steps", type=int, default=2, help="steps per burst")
-    p.add_argument("--a-kv-dtype", default=None, help="A's KV pool dtype (default: the engine's, float16 here)")
+    p.add_argument("--a-kv-dtype", default=None, help="A's KV pool dtype (default: the engine's \"auto\")")
     p.add_argument("--b-kv-dtype", default=None, help="B's KV pool dtype")
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -25,6 +25,7 @@ def cmd_bench(args) -> int:
     from specjax.bench.harness import add_comparisons, markdown_table, plot_bench, run_bench, summarize, warm_up
     from specjax.config import EngineConfig
     from specjax.datasets import load_eval
+    from specjax.engine.engine import kv_cache_dtype
     from specjax.llm import DTYPES, LLM
     from specjax.model.loader import load_model
     from specjax.parallel import tensor_parallel_mesh
@@ -92,7 +93,7 @@ def cmd_bench(args) -> int:
                          "num_draft_tokens": args.num_draft_tokens, "model": target.source,
                          "quant_kernels": target.quantized_kernels,
                          "kernel_activations": target.kernel_activations,
-                         "kv_cache_dtype": str(next(iter(llms.values())).engine.kv_dtype),
+                         "kv_cache_dtype": str(kv_cache_dtype(args.kv_cache_dtype, target.weights)),
                          "drafters": {m: llm.drafter_path for m, llm in llms.items() if llm.drafter_path},
                          "command": " ".join(sys.argv)},
               "records": records}

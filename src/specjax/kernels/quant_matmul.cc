@@ -165,8 +165,8 @@ inline void Group8(const Weights& w, int64_t g, const Acts& a, int64_t t0, float
       };
       if constexpr (K != kQ8_0 && !kVnni) {
         // Without VNNI, Q4's codes (at most 15) let the 8 vpmaddubsw pair sums (|.| <= 2 * 15 * 127 each) add in
-        // int16 lanes exactly (|.| <= 30480) before one vpmaddwd widens them: 17 instructions a block and token
-        // instead of DotBytes' 24, the same integer sums.
+        // int16 lanes exactly (|.| <= 30480) before one vpmaddwd widens them: 17 multiplies and adds a block and
+        // token instead of DotBytes' 24 (the 8 broadcasts of x either way), the same integer sums.
         __m256i s16 = _mm256_maddubs_epi16(u[0], xs(0));
         for (int j = 1; j < 8; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u[j], xs(j)));
         s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));

@@ -147,9 +147,9 @@ def pages_and_new_attention(q, k_pool, v_pool, page_table, cache_lens, k_new, v_
     b, t, n, h = q.shape
     k_new, v_new = k_new.astype(k_pool.dtype), v_new.astype(v_pool.dtype)
     if not (reads_pages_in_place(kernel, t, k_pool.dtype, h, any_queries) and q.dtype == jnp.float32):
-        k_cache, v_cache = gather_pages(k_pool, page_table), gather_pages(v_pool, page_table)
-        if k_cache.dtype != q.dtype:  # a 16-bit cache under wider queries: widen what was gathered
-            k_cache, v_cache = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
+        # a 16-bit cache under wider queries: widen what was gathered (a no-op when the dtypes agree)
+        k_cache = gather_pages(k_pool, page_table).astype(q.dtype)
+        v_cache = gather_pages(v_pool, page_table).astype(q.dtype)
         cache_visible = jnp.arange(k_cache.shape[2])[None, :] < cache_lens[:, None]
         return cached_and_new_attention(q, k_cache, v_cache, cache_visible, k_new.astype(q.dtype),
                                         v_new.astype(q.dtype), new_visible, scale)
