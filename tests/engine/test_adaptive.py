@@ -113,12 +113,17 @@ def test_adaptive_engine_is_lossless_and_uses_several_k(tiny_dirs):
     engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 8), dw,
                        EngineConfig(max_model_len=64, page_size=8, max_num_seqs=4, adaptive_k=True,
                                     page_bucket_factor=4))
+    # Step costs are injected, not timed: measured ones made the choice depend on the machine's load (under the
+    # 2-worker suite a K = 0 step timed while the other worker compiled kept K = 7 chosen for the whole run).
+    record = engine._record_cost
+    engine._record_cost = lambda need, shape, seconds: record(need, shape, 1.0 + 0.25 * need.n)
     # every K at the batch of 4 and the page widths these requests reach (smaller batches run padded in them)
     engine.warmup([len(p) for p in prompts], max(len(p) for p in prompts) + 30, batch_sizes=(4,), modes=(GREEDY,))
     c = engine.controller
     c.explore_budget, c.idle_budget, c.min_explore_every = 100.0, 100.0, 3
     assert [s.output_ids for s in engine.generate(prompts, params)] == expected
-    assert len(engine.k_history) >= 2, engine.k_history  # a random drafter: K = 0 mostly, exploration at K = 1
+    assert len(engine.k_history) >= 2 and engine.k_history.most_common(1)[0][0] == 0, engine.k_history
+    # (a random drafter: K = 0 mostly, exploring a larger K every few steps)
 
 
 def test_controller_retimes_a_cheaper_k_whose_cost_was_inflated_once():
