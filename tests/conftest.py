@@ -16,6 +16,45 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
+COMPILE_CACHE_ENV = "SPECJAX_TEST_COMPILE_CACHE"
+
+
+def pytest_configure(config):
+    """One jax persistent compilation cache for the whole run, shared by both xdist workers and the processes tests
+    start: ~70% of the suite's time is XLA compiling programs that other test files compiled already (tests/spec's
+    lossless file: 207 s from an empty cache, 61 s from a full one).  Created empty for each run and removed after
+    it, so every program is still compiled once per run; `SPECJAX_TEST_COMPILE_CACHE=0` turns it off."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get(COMPILE_CACHE_ENV, "1") == "0":
+        return  # a worker inherits the controller's environment (below): jax read it when conftest imported it
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="specjax-test-xla-")
+    config.stash[_CACHE_DIR] = path
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    jax.config.update("jax_compilation_cache_dir", path)  # this process imported jax already (-n 0 runs tests here)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config):
+    path = config.stash.get(_CACHE_DIR, None)
+    if path:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+_CACHE_DIR = pytest.StashKey[str]()
+
+
+@pytest.fixture
+def no_jax_compile_cache():
+    """A test of specjax's own program store: jax's persistent cache off (the store saves nothing while it is on)."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+
 from tests import helpers  # noqa: E402
 
 

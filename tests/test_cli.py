@@ -43,7 +43,8 @@ def test_generate_adaptive_k_gives_the_plain_decoding_text(tiny_dirs, tmp_path, 
     assert "dflash (block 4, K=3), adaptive K in (0, 1, 3)" in errs[1]
 
 
-def test_generate_saves_its_step_programs_and_the_next_run_loads_them(tiny_dirs, tmp_path, capsys):
+def test_generate_saves_its_step_programs_and_the_next_run_loads_them(tiny_dirs, tmp_path, capsys,
+                                                                     no_jax_compile_cache):
     """--compile-cache DIR: the step programs go to DIR-programs (jax's own cache stays off in this process), and
     a second run loads each of them (the same files, not rewritten) and prints the same text."""
     import os

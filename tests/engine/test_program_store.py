@@ -17,6 +17,7 @@ from specjax.sampling import SamplingParams
 from specjax.spec.proposer import DFlashProposer
 
 PROMPT, NEW = list(range(3, 40)), 24
+pytestmark = pytest.mark.usefixtures("no_jax_compile_cache")
 
 
 @pytest.fixture(scope="module")
