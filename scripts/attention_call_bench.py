@@ -24,6 +24,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=2000)
     p.add_argument("--cases", default="512:1,1024:1,1024:4,2048:1", help="context:queries, comma-separated")
+    p.add_argument("--kv-dtype", default="float16", choices=("float32", "float16", "bfloat16"),
+                   help="the pools' and new rows' dtype (the engine's GGUF default: float16)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     kernel = quant_kernels().attention
@@ -33,11 +35,11 @@ def main() -> None:
     for case in args.cases.split(","):
         ctx, t = (int(x) for x in case.split(":"))
         pages = ctx // page + 2
-        k_pool = jnp.asarray(rng.normal(size=(kv_heads, pages, page, head_dim)).astype(np.float32))
+        k_pool = jnp.asarray(rng.normal(size=(kv_heads, pages, page, head_dim)).astype(np.float32), args.kv_dtype)
         v_pool = k_pool * 0.5
         table = jnp.arange(1, pages, dtype=jnp.int32)[None]
         q = jnp.asarray(rng.normal(size=(1, t, heads, head_dim)).astype(np.float32))
-        k_new = jnp.asarray(rng.normal(size=(1, t, kv_heads, head_dim)).astype(np.float32))
+        k_new = jnp.asarray(rng.normal(size=(1, t, kv_heads, head_dim)).astype(np.float32), args.kv_dtype)
         visible = jnp.ones((1, t, t), bool)
         call = jax.jit(lambda q, kp, vp, table, kn, vis, ctx=ctx: pages_and_new_attention(
             q, kp, vp, table, jnp.array([ctx]), kn, kn, vis, head_dim ** -0.5, kernel))
@@ -54,7 +56,7 @@ def main() -> None:
         print(f"context {ctx:5d}  queries {t}: min {us.min():7.1f} us  median {np.median(us):7.1f} us")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"reps": args.reps, "results": rows}, fh, indent=1)
+            json.dump({"reps": args.reps, "kv_dtype": args.kv_dtype, "results": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
