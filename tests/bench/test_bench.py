@@ -70,7 +70,9 @@ def test_bench_serve_cli_on_a_tiny_model(tiny_dirs, tmp_path):
            "--block-size", "4", "--methods", "ar,dflash", "--concurrency", "1,4", "--requests-per-level", "4",
            "--max-tokens", "8", "--num-prompts", "2", "--max-model-len", "1024", "--page-size", "128",
            "--max-num-seqs", "4",
-           "--rounds", "2", "--out-dir", str(out), "--compile-cache", ""]
+           "--rounds", "2", "--out-dir", str(out), "--compile-cache", "", "--warmup", "none"]
+    # --warmup none: the shapes these few requests use compile on first use, not every bucket of both servers at
+    # start-up (the slowest test of the suite, 212 s; warmup_all is tests/serve's fixture; no timing is asserted)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads((out / "bench_serve.json").read_text())
