@@ -16,15 +16,20 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
+from tests import helpers  # noqa: E402
+
 COMPILE_CACHE_ENV = "SPECJAX_TEST_COMPILE_CACHE"
+_CACHE_DIR = pytest.StashKey[str]()  # the run's cache directory, on the process that made it
 
 
 def pytest_configure(config):
     """One jax persistent compilation cache for the whole run, shared by both xdist workers and the processes tests
     start: ~70% of the suite's time is XLA compiling programs that other test files compiled already (tests/spec's
     lossless file: 207 s from an empty cache, 61 s from a full one).  Created empty for each run and removed after
-    it, so every program is still compiled once per run; `SPECJAX_TEST_COMPILE_CACHE=0` turns it off."""
-    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get(COMPILE_CACHE_ENV, "1") == "0":
+    it, so every program is still compiled once per run; `SPECJAX_TEST_COMPILE_CACHE=0` turns it off, and a
+    JAX_COMPILATION_CACHE_DIR set by the user is used as it is."""
+    if (os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get(COMPILE_CACHE_ENV, "1") == "0"
+            or os.environ.get("JAX_COMPILATION_CACHE_DIR")):
         return  # a worker inherits the controller's environment (below): jax read it when conftest imported it
     import tempfile
 
@@ -44,9 +49,6 @@ def pytest_unconfigure(config):
         shutil.rmtree(path, ignore_errors=True)
 
 
-_CACHE_DIR = pytest.StashKey[str]()
-
-
 @pytest.fixture
 def no_jax_compile_cache():
     """A test of specjax's own program store: jax's persistent cache off (the store saves nothing while it is on)."""
@@ -54,8 +56,6 @@ def no_jax_compile_cache():
     jax.config.update("jax_enable_compilation_cache", False)
     yield
     jax.config.update("jax_enable_compilation_cache", before)
-
-from tests import helpers  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
