@@ -33,6 +33,15 @@ def first_argmax(x: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.where(first_nan < n, first_nan, first_max)
 
 
+def vocab_major_argmax(x: jax.Array, kernel: str | None = None) -> jax.Array:
+    """`first_argmax(x, axis=0)` of a head's vocab-major logits x [V, M] -> int32 [M], on `kernel` (the registered
+    target of kernels/argmax.cc, TargetWeights.argmax_kernel) where one is given and x is float32: one vectorised
+    pass instead of XLA:CPU's three (~25 us against ~0.2-0.7 ms for 1-8 rows of SmolLM2's 49,152)."""
+    if kernel is not None and x.dtype == jnp.float32:
+        return jax.ffi.ffi_call(kernel, jax.ShapeDtypeStruct(x.shape[1:], jnp.int32))(x)
+    return first_argmax(x, axis=0)
+
+
 class SamplingError(ValueError):
     """Invalid sampling parameters."""
 
@@ -103,12 +112,15 @@ def position_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
 
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                  seeds: jax.Array, positions: jax.Array, mode: str) -> jax.Array:
+                  seeds: jax.Array, positions: jax.Array, mode: str, greedy: jax.Array | None = None) -> jax.Array:
     """One token per row: logits [B, T, V] for tokens at `positions` [B, T] -> int32 [B, T].
 
-    Rows with temperature 0 (or top_k 1) take the argmax; others draw from the filtered softmax.
+    Rows with temperature 0 (or top_k 1) take the argmax (`greedy` [B, T] if given: `first_argmax(logits)`
+    computed from another layout of the same logits; a GREEDY program then never reads `logits`); others draw
+    from the filtered softmax.
     """
-    greedy = first_argmax(logits)
+    if greedy is None:
+        greedy = first_argmax(logits)
     if mode == GREEDY:
         return greedy
     t, k, p = (a[:, None] for a in (temperature, top_k, top_p))

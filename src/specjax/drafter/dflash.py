@@ -33,7 +33,7 @@ from specjax.model.attention import KVRows, pages_and_new_attention
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin, swiglu
 from specjax.model.quant import bf16_matrix, head_product, linear, q8_0_matrix, take_rows
 from specjax.model.target import KVPages
-from specjax.sampling import first_argmax
+from specjax.sampling import vocab_major_argmax
 
 
 @jax.tree_util.register_dataclass
@@ -195,9 +195,10 @@ def propose_logits(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, emb
 
 def propose_tokens(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array,
                    vocab_rows: jax.Array, bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array,
-                   num_draft_tokens: int, block_size: int, kernel: str | None = None) -> jax.Array:
-    """Greedy drafts [B, K] (target ids): argmax of `draft_scores`."""
+                   num_draft_tokens: int, block_size: int, kernel: str | None = None,
+                   argmax_kernel: str | None = None) -> jax.Array:
+    """Greedy drafts [B, K] (target ids): argmax of `draft_scores` (on `argmax_kernel`, TargetWeights')."""
     scores = draft_scores(weights, cfg, dkv, embed, vocab_rows, bonus, context_lens, page_table, num_draft_tokens,
                           block_size, kernel)
-    idx = first_argmax(scores, axis=0).reshape(bonus.shape[0], num_draft_tokens)
+    idx = vocab_major_argmax(scores, argmax_kernel).reshape(bonus.shape[0], num_draft_tokens)
     return to_target_ids(weights, idx)

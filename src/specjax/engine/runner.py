@@ -54,8 +54,9 @@ def prefill_step(tw, kv, pw, pstate, batch: tgt.ForwardBatch, last_index, next_t
     last_hidden = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)  # [B, 1, D]
     last_pos = jnp.take_along_axis(batch.positions, last_index[:, None], axis=1)[:, 0]  # [B]
     no_drafts = jnp.zeros((hidden.shape[0], 0), jnp.int32)
-    _, tokens = accept(tgt.logits(tw, last_hidden), no_drafts, jnp.zeros_like(last_pos), last_pos,
-                       sampling.temperature, sampling.top_k, sampling.top_p, sampling.seeds, mode)
+    logits, greedy = tgt.logits_and_greedy(tw, last_hidden)
+    _, tokens = accept(logits, no_drafts, jnp.zeros_like(last_pos), last_pos, sampling.temperature, sampling.top_k,
+                       sampling.top_p, sampling.seeds, mode, greedy)
     next_tokens = jnp.where(next_tokens < 0, tokens[:, :1], next_tokens)
     return tokens[:, 0], rows, proposer.observe(pw, taps, batch.positions, next_tokens)
 
@@ -79,8 +80,9 @@ def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch
     positions = inputs.start[:, None] + jnp.arange(num_draft + 1)[None, :]
     batch = tgt.ForwardBatch(block, positions, inputs.slots, inputs.page_table)
     hidden, taps, rows = tgt.forward(tw, kv, batch, tcfg, proposer.tap_indices)
-    num_accepted, tokens = accept(tgt.logits(tw, hidden), drafts, inputs.num_drafts, inputs.start,
-                                  sampling.temperature, sampling.top_k, sampling.top_p, sampling.seeds, mode)
+    logits, greedy = tgt.logits_and_greedy(tw, hidden)
+    num_accepted, tokens = accept(logits, drafts, inputs.num_drafts, inputs.start, sampling.temperature,
+                                  sampling.top_k, sampling.top_p, sampling.seeds, mode, greedy)
     # Only the rows now part of the sequence (the old bonus and the accepted drafts) become proposer context.
     kept = jnp.arange(num_draft + 1)[None, :] <= num_accepted[:, None]
     # tokens[:, j] is the target's token for position start + j + 1: the token following row j.

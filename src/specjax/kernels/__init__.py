@@ -40,6 +40,8 @@ ATTENTION_SOURCE = "paged_attention.cc"
 ATTENTION_HANDLER = "SpecjaxPagedAttention"
 KV_WRITE_SOURCE = "kv_write.cc"
 KV_WRITE_HANDLER = "SpecjaxWriteRows"
+ARGMAX_SOURCE = "argmax.cc"
+ARGMAX_HANDLER = "SpecjaxArgmax"
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 
 
@@ -51,12 +53,13 @@ class KernelUnavailable(RuntimeError):
 class QuantKernels:
     """Registered FFI targets (CPU platform): one per block format (GGUF Q4_0, Q4_1, Q8_0, and BF16) and
     activation type (the GGUF formats' int8 variants are keyed "<kind>_I8") for model/quant.py, `attention`,
-    paged attention over the KV pool in place, and `kv_write`, a step's K/V rows written into every pool in one
-    call (model/attention.py)."""
+    paged attention over the KV pool in place, `kv_write`, a step's K/V rows written into every pool in one
+    call (model/attention.py), and `argmax`, the greedy tokens of a head's vocab-major logits (model/target.py)."""
 
     targets: dict[str, str]
     attention: str
     kv_write: str
+    argmax: str
 
     def block_targets(self, activations: str) -> dict[str, str]:
         """Block format -> FFI target for activations "int8" or "float32" (ACTIVATIONS)."""
@@ -150,7 +153,8 @@ def _load_quant_kernels() -> QuantKernels:
 
     return QuantKernels(register(QUANT_SOURCE, QUANT_HANDLERS),
                         register(ATTENTION_SOURCE, {"paged_attention": ATTENTION_HANDLER})["paged_attention"],
-                        register(KV_WRITE_SOURCE, {"kv_write": KV_WRITE_HANDLER})["kv_write"])
+                        register(KV_WRITE_SOURCE, {"kv_write": KV_WRITE_HANDLER})["kv_write"],
+                        register(ARGMAX_SOURCE, {"argmax": ARGMAX_HANDLER})["argmax"])
 
 
 @functools.lru_cache(maxsize=None)

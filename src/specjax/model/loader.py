@@ -470,13 +470,14 @@ def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kern
         model = load_gguf(path, dtype, mesh, quant_kernels, activations)
     else:
         raise CheckpointError(f"model path does not exist: {path}")
-    if quant_kernels and mesh is None and dtype == jnp.float32:  # attention and K/V writes in place, either format
+    if quant_kernels and mesh is None and dtype == jnp.float32:  # attention, K/V writes, argmax: either format
         from specjax.kernels import quant_kernels as built_kernels
 
         kernels = built_kernels()
         if kernels is not None:
             model = dataclasses.replace(model, weights=dataclasses.replace(
-                model.weights, attention_kernel=kernels.attention, kv_write_kernel=kernels.kv_write))
+                model.weights, attention_kernel=kernels.attention, kv_write_kernel=kernels.kv_write,
+                argmax_kernel=kernels.argmax))
     jax.block_until_ready(model.weights)  # transfers done: the checkpoint's host copies are gone ...
     release_freed_memory()  # ... and their pages go back to the OS instead of staying resident
     return model

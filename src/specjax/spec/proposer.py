@@ -90,7 +90,8 @@ class DFlashProposer:
 
     def propose(self, params, state, target, bonus, start, page_table, num_draft):
         return dflash.propose_tokens(params, self.cfg, state, target.embed, target.head_matrix, bonus, start,
-                                     page_table, num_draft, self.block_size, target.attention_kernel)
+                                     page_table, num_draft, self.block_size, target.attention_kernel,
+                                     target.argmax_kernel)
 
     def pages_in_place(self, kernel, dtype) -> bool:
         return reads_pages_in_place(kernel, self.block_size, dtype, self.cfg.head_dim)  # one block of queries

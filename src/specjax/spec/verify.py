@@ -31,14 +31,16 @@ def accepted_length(drafts: jax.Array, target_tokens: jax.Array, num_drafts: jax
 
 
 def accept(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, start: jax.Array,
-           temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array, mode: str):
-    """Verify drafts [B, K] against target logits [B, K + 1, V] of the block starting at positions `start` [B].
+           temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array, mode: str,
+           greedy: jax.Array | None = None):
+    """Verify drafts [B, K] against target logits [B, K + 1, V] of the block starting at positions `start` [B]
+    (`greedy`: their argmax, if already known; see `sample_tokens`).
 
     Returns (num_accepted [B], tokens [B, K + 1]): the step emits tokens[:, :num_accepted + 1], i.e. the
     accepted drafts followed by the bonus token.
     """
     positions = start[:, None] + 1 + jnp.arange(logits.shape[1])[None, :]  # row j samples position s + j + 1
-    target_tokens = sample_tokens(logits, temperature, top_k, top_p, seeds, positions, mode)  # [B, K + 1]
+    target_tokens = sample_tokens(logits, temperature, top_k, top_p, seeds, positions, mode, greedy)  # [B, K + 1]
     return accepted_length(drafts, target_tokens, num_drafts), target_tokens
 
 
