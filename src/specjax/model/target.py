@@ -208,7 +208,15 @@ def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: Model
 
 def logits(weights: TargetWeights, hidden: jax.Array) -> jax.Array:
     """LM head: hidden [..., D] -> float32 logits [..., V] (computed vocab-major, [V, rows], then transposed)."""
-    return logits_and_greedy(weights, hidden)[0]
+    return _token_major(_vocab_major(weights, hidden), hidden)
+
+
+def _vocab_major(weights: TargetWeights, hidden: jax.Array) -> jax.Array:
+    return head_product(weights.head_matrix, hidden.reshape(-1, hidden.shape[-1]))
+
+
+def _token_major(out: jax.Array, hidden: jax.Array) -> jax.Array:
+    return kept(out).T.reshape(*hidden.shape[:-1], -1)
 
 
 def logits_and_greedy(weights: TargetWeights, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -216,9 +224,8 @@ def logits_and_greedy(weights: TargetWeights, hidden: jax.Array) -> tuple[jax.Ar
     on `argmax_kernel` where the loader set one: a greedy step never reads the transposed logits, so its program
     does not make them (XLA:CPU's transposed copy and three reductions over it: ~0.5 ms of a 4-row SmolLM2 step,
     ~0.2 ms of a 1-row one; its reductions over [V, rows] as they lie are no faster, 0.7 ms for 4 rows)."""
-    out = head_product(weights.head_matrix, hidden.reshape(-1, hidden.shape[-1]))
-    greedy = vocab_major_argmax(out, weights.argmax_kernel).reshape(hidden.shape[:-1])
-    return kept(out).T.reshape(*hidden.shape[:-1], -1), greedy
+    out = _vocab_major(weights, hidden)
+    return _token_major(out, hidden), vocab_major_argmax(out, weights.argmax_kernel).reshape(hidden.shape[:-1])
 
 
 
