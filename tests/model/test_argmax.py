@@ -11,21 +11,15 @@ import pytest
 from specjax.config import EngineConfig
 from specjax.drafter.loader import drafter_config_for, init_drafter
 from specjax.engine.engine import LLMEngine
-from specjax.kernels import quant_kernels
 from specjax.model.loader import load_model
 from specjax.sampling import SamplingParams, first_argmax, vocab_major_argmax
 from specjax.spec.proposer import DFlashProposer
-from tests.helpers import kernels_expected, random_prompt
+from tests.helpers import native_kernels, random_prompt
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = quant_kernels()
-    if k is None:
-        if kernels_expected():  # a kernel that stops compiling must fail here, not skip
-            pytest.fail("the CPU kernels did not build on a machine that supports them")
-        pytest.skip("this machine has neither AVX-512F nor AVX2 + FMA, or no C++ compiler")
-    return k.argmax
+    return native_kernels().argmax
 
 
 def cases():
