@@ -10,6 +10,7 @@ import pytest
 from specjax.engine import runner
 from specjax.model.attention import (
     KVRows,
+    PoolView,
     dense_attention,
     gather_pages,
     paged_attention,
@@ -119,6 +120,47 @@ def test_kv_write_kernel_equals_xla_scatter_in_place(dtype):
         for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(out)):
             assert g.dtype == dtype
             np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(g, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_stacked_pools_are_read_and_written_in_place(dtype):
+    """KVPages.stacked (every layer's pool in one [L, K, P, Z, H] array): the K/V write kernel and XLA's scatter
+    write each layer as into its own pool, in place when donated; the attention kernel reads a PoolView's layer
+    inside the stack bit-identically to that layer's own pool, and so does the gathered path; a layer past the
+    stack is refused."""
+    kernels = native_kernels()
+    rng = np.random.default_rng(3)
+    layers, kv_heads, n_heads, pages, page_size, hd, b, t = 3, 2, 4, 6, 4, 16, 2, 3
+    apart = KVPages(*(tuple(jnp.asarray(rng.standard_normal((kv_heads, pages, page_size, hd)), dtype)
+                            for _ in range(layers)) for _ in range(2)))
+    stacked = KVPages(*(jnp.stack(pools) for pools in (apart.k, apart.v)))
+    assert stacked.stacked and not apart.stacked
+    assert (stacked.num_pages, stacked.page_size) == (apart.num_pages, apart.page_size) == (pages, page_size)
+    new = [[jnp.asarray(rng.standard_normal((b, t, kv_heads, hd)), jnp.float32) for _ in range(layers)]
+           for _ in range(2)]
+    slots = jnp.asarray([[5, -1, 19], [0, pages * page_size, 7]], jnp.int32)
+    want = write_rows(apart, slots, KVRows(*(tuple(r) for r in new)), kernels.kv_write)
+    rows = KVRows(*(jnp.stack(r) for r in new))
+    kv = jax.tree.map(jnp.copy, stacked)
+    where = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(kv)]
+    committed, _ = runner.commit(kv, None, slots, rows, slots, None, kernel=kernels.kv_write)
+    assert [a.unsafe_buffer_pointer() for a in jax.tree.leaves(committed)] == where
+    for got in (committed, write_rows(stacked, slots, rows)):
+        for w, g in zip((want.k, want.v), (got.k, got.v)):
+            np.testing.assert_array_equal(np.asarray(jnp.stack(w), np.float32), np.asarray(g, np.float32))
+    q = jnp.asarray(rng.standard_normal((b, t, n_heads, hd)), jnp.float32)
+    table = jnp.asarray([[1, 3, 5], [4, 2, 0]], jnp.int32)
+    lens, visible = jnp.asarray([9, 5], jnp.int32), jnp.ones((b, t, t), bool)
+    for kernel in (kernels.attention, None):
+        for i in range(layers):
+            args = (table, lens, new[0][i], new[1][i], visible, hd ** -0.5, kernel, True)
+            own = pages_and_new_attention(q, *want.layer(i), *args)
+            view = pages_and_new_attention(q, *committed.layer(i), *args)
+            np.testing.assert_array_equal(np.asarray(own), np.asarray(view))
+    past = PoolView(committed.k, layers), PoolView(committed.v, layers)
+    with pytest.raises(Exception, match="layer"):
+        jax.block_until_ready(pages_and_new_attention(q, *past, table, lens, new[0][0], new[1][0], visible,
+                                                      hd ** -0.5, kernels.attention, True))
 
 
 @pytest.mark.parametrize(("hd", "start", "pool_dtype"), [(64, 40, "float32"), (64, 254, "float32"),

@@ -2,6 +2,8 @@
 activations) or a numpy statement of the int8 scheme (int8 activations), and a quantized GGUF target run on them
 against the same file run on XLA."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -433,3 +435,40 @@ def test_bfloat16_dflash_drafter_runs_on_the_bf16_kernel(tiny_dirs, tmp_path, ke
     bf16_calls = 1 + dcfg.num_layers + 5 * dcfg.num_layers
     assert steps and all(s.as_text().count(f'custom_call_target="{kernels.targets["BF16"]}"') == bf16_calls
                          for s in steps)
+
+
+def test_int8_layers_are_stacked_and_read_in_place(tiny_dirs, tmp_path, kernels, monkeypatch):
+    """On the int8 kernels the loader stacks the layers (model/stack.py: a step takes one array per field, not one
+    per layer), and the kernels read a layer's blocks inside the stack: the logits and the engine's tokens are
+    bit-identical to the same file loaded layer by layer.  Float32-activation layers keep their dense copies and
+    stay a tuple."""
+    from specjax.model import loader
+    from specjax.model.stack import LayerStack
+
+    path = str(tmp_path / "llama-Q4_1.gguf")
+    write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
+    stacked = load_model(path, quant_kernels=True)
+    assert isinstance(stacked.weights.layers, LayerStack)
+    assert not isinstance(load_model(path, quant_kernels=True, activations="float32").weights.layers, LayerStack)
+    monkeypatch.setattr(loader, "stackable", lambda layers: False)
+    apart = load_model(path, quant_kernels=True)
+    layers = stacked.weights.layers
+    assert isinstance(apart.weights.layers, tuple) and len(layers) == len(apart.weights.layers) > 1
+    assert len(jax.tree.leaves(layers)) * len(layers) == len(jax.tree.leaves(apart.weights.layers))
+    assert [layer.w_down.layer for layer in layers] == list(range(len(layers)))
+    assert layers[-1].w_qkv.layer == len(layers) - 1 and [q.w_o.layer for q in layers[:2]] == [0, 1]
+    with pytest.raises(IndexError):
+        layers[len(layers)]
+    for i, layer in enumerate(layers):  # the host view of a stacked layer's blocks is that layer's
+        np.testing.assert_array_equal(plain_blocks(layer.w_gate_up, "Q4_1").codes,
+                                      plain_blocks(apart.weights.layers[i].w_gate_up, "Q4_1").codes)
+    ids = random_prompt(np.random.default_rng(5), 9)
+    np.testing.assert_array_equal(short_forward(stacked, ids), short_forward(apart, ids))
+    config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    [a] = LLMEngine(stacked.config, stacked.weights, config=config).generate([ids], params)
+    [b] = LLMEngine(apart.config, apart.weights, config=config).generate([ids], params)
+    assert a.output_ids == b.output_ids
+    past = dataclasses.replace(layers[0].w_o, layer=len(layers))  # the kernel checks the layer against the stack
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(jax.jit(matmul)(past, jnp.ones((past.shape[1], 1), jnp.float32)))

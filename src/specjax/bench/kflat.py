@@ -17,7 +17,7 @@ import numpy as np
 
 from specjax.engine import runner
 from specjax.engine.engine import kv_cache_dtype
-from specjax.model.target import init_kv_pages
+from specjax.model.target import init_kv_pages, stacks_pools
 from specjax.sampling import GREEDY
 from specjax.spec.proposer import NoProposer
 
@@ -68,8 +68,9 @@ def verify_steps(tcfg, tweights, qs, context_len: int, batch: int = 1, page_size
     max_tokens = context_len + max(qs)
     pages_per_seq = -(-max_tokens // page_size)
     num_pages = batch * pages_per_seq + 1
-    kv = init_kv_pages(tcfg.num_layers, num_pages, page_size, tcfg.num_kv_heads, tcfg.head_dim,
-                       kv_dtype or kv_cache_dtype("auto", tweights))
+    kv_dtype = kv_dtype or kv_cache_dtype("auto", tweights)
+    kv = init_kv_pages(tcfg.num_layers, num_pages, page_size, tcfg.num_kv_heads, tcfg.head_dim, kv_dtype,
+                       stacks_pools(tweights, tcfg, kv_dtype))
     table = np.arange(1, num_pages, dtype=np.int32).reshape(batch, pages_per_seq)
     sampling = runner.SamplingBatch(jnp.zeros(batch), jnp.zeros(batch, jnp.int32), jnp.ones(batch),
                                     jnp.zeros(batch, jnp.int32))

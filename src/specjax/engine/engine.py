@@ -31,7 +31,7 @@ from specjax.engine.sequence import Sequence, Status
 from specjax.hostmem import release_zero_pages
 from specjax.kv.allocator import OutOfPages, PageAllocator
 from specjax.model.attention import reads_pages_in_place
-from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages
+from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages, stacks_pools
 from specjax.parallel import kv_spec, mesh_size, replicate, to_global, to_host, zeros_like_tree
 from specjax.sampling import GREEDY, SamplingParams, sampler_mode
 from specjax.spec.proposer import NoProposer
@@ -135,9 +135,10 @@ class LLMEngine:
         self.allocator = PageAllocator(config.pool_pages, config.page_size)
         dtype = tweights.embed.dtype
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, tweights)
+        stacked = stacks_pools(tweights, tcfg, self.kv_dtype)
         self.kv = zeros_like_tree(lambda: init_kv_pages(tcfg.num_layers, config.pool_pages, config.page_size,
-                                                        tcfg.num_kv_heads, tcfg.head_dim, self.kv_dtype), mesh,
-                                  kv_spec())
+                                                        tcfg.num_kv_heads, tcfg.head_dim, self.kv_dtype, stacked),
+                                  mesh, kv_spec())
         self.pstate = zeros_like_tree(lambda: self.proposer.init_state(config.pool_pages, config.page_size, dtype),
                                       mesh, PartitionSpec())
         # the pools are zeros: only the pages a step writes need to be resident (hostmem.release_zero_pages)
@@ -147,7 +148,7 @@ class LLMEngine:
         # self.kv while a step donates it (the caches are replaced, not resized: the specs never change).
         self._state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                         (self.tweights, self.kv, self.pweights, self.pstate))
-        self._inputs_placement = self._inputs_sharding or SingleDeviceSharding(self.kv.k[0].device)
+        self._inputs_placement = self._inputs_sharding or SingleDeviceSharding(jax.tree.leaves(self.kv)[0].device)
         # step programs saved by earlier runs, loaded without tracing (one device, one process)
         self.program_store = (ProgramStore(config.program_cache) if config.program_cache and mesh is None
                               and not self.lockstep else None)

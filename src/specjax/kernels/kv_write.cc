@@ -7,8 +7,9 @@
 // [0, P * Z), for every KV head k; other slots (-1 = padding or beyond capacity) are dropped, as XLA's scatter
 // with mode="drop" does (model/attention.py `write_pages`, the oracle).  A slot listed twice keeps its last row.
 //
-// Shapes: slots [N] int32; then the L pools [K, P, Z, H] and the L rows [N, K, H], pool i taking rows i (same
-// dtype); results: the L pools, aliased to the pool operands.
+// Shapes: slots [N] int32; then the pools, each [K, P, Z, H] or every layer's [L, K, P, Z, H], and as many rows
+// operands, [N, K, H] or [L, N, K, H], pool i taking rows i (same dtype); results: the pools, aliased to the pool
+// operands.
 #include <cstdint>
 #include <cstring>
 
@@ -19,34 +20,42 @@ namespace ffi = xla::ffi;
 namespace {
 
 ffi::Error WriteRows(ffi::Buffer<ffi::S32> slots, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  const int64_t layers = static_cast<int64_t>(rets.size()), n = slots.element_count();
-  if (static_cast<int64_t>(args.size()) != 2 * layers) {
+  const int64_t pools = static_cast<int64_t>(rets.size()), n = slots.element_count();
+  if (static_cast<int64_t>(args.size()) != 2 * pools) {
     return ffi::Error::InvalidArgument("specjax kv write: expected one rows operand per pool");
   }
   const int32_t* slot = slots.typed_data();
-  for (int64_t i = 0; i < layers; ++i) {
+  for (int64_t i = 0; i < pools; ++i) {
     auto pool = args.get<ffi::AnyBuffer>(i);
-    auto rows = args.get<ffi::AnyBuffer>(layers + i);
+    auto rows = args.get<ffi::AnyBuffer>(pools + i);
     auto out = rets.get<ffi::AnyBuffer>(i);
     if (!pool.has_value() || !rows.has_value() || !out.has_value()) {
       return ffi::Error::InvalidArgument("specjax kv write: operands must be buffers");
     }
     const auto pd = pool->dimensions(), rd = rows->dimensions();
-    if (pd.size() != 4 || rd.size() != 3 || rd[0] != n || rd[1] != pd[0] || rd[2] != pd[3] ||
-        pool->element_type() != rows->element_type() || (*out)->size_bytes() != pool->size_bytes()) {
-      return ffi::Error::InvalidArgument("specjax kv write: pools [K, P, Z, H], rows [N, K, H] of the same dtype");
+    const size_t lead = pd.size() == 5 ? 1 : 0;  // every layer's pool in one buffer, and every layer's rows
+    if (pd.size() != 4 + lead || rd.size() != 3 + lead || (lead && rd[0] != pd[0]) || rd[lead] != n ||
+        rd[lead + 1] != pd[lead] || rd[lead + 2] != pd[lead + 3] || pool->element_type() != rows->element_type() ||
+        (*out)->size_bytes() != pool->size_bytes()) {
+      return ffi::Error::InvalidArgument("specjax kv write: pools [K, P, Z, H] with rows [N, K, H] (or [L, K, P, Z, "
+                                         "H] with [L, N, K, H]) of the same dtype");
     }
-    const int64_t heads = pd[0], capacity = pd[1] * pd[2], row_bytes = pd[3] * (pool->size_bytes() /
-                                                                                 pool->element_count());
+    const int64_t layers = lead ? pd[0] : 1, heads = pd[lead], capacity = pd[lead + 1] * pd[lead + 2],
+                  row_bytes = pd[lead + 3] * (pool->size_bytes() / pool->element_count());
     auto* dst = static_cast<uint8_t*>((*out)->untyped_data());
     if (dst != pool->untyped_data()) {  // the caller's input_output_aliases make each result its pool's buffer
       return ffi::Error::InvalidArgument("specjax kv write: each pool must be aliased to its result");
     }
     const auto* src = static_cast<const uint8_t*>(rows->untyped_data());
-    for (int64_t r = 0; r < n; ++r) {
-      if (slot[r] < 0 || slot[r] >= capacity) continue;
-      for (int64_t k = 0; k < heads; ++k) {
-        std::memcpy(dst + (k * capacity + slot[r]) * row_bytes, src + (r * heads + k) * row_bytes, row_bytes);
+    for (int64_t l = 0; l < layers; ++l) {
+      uint8_t* layer_dst = dst + l * heads * capacity * row_bytes;
+      const uint8_t* layer_src = src + l * n * heads * row_bytes;
+      for (int64_t r = 0; r < n; ++r) {
+        if (slot[r] < 0 || slot[r] >= capacity) continue;
+        for (int64_t k = 0; k < heads; ++k) {
+          std::memcpy(layer_dst + (k * capacity + slot[r]) * row_bytes, layer_src + (r * heads + k) * row_bytes,
+                      row_bytes);
+        }
       }
     }
   }

@@ -18,8 +18,9 @@
 // The K/V rows are float32, float16 or bfloat16 (the pools and the new rows alike: a KV cache stored at 16 bits
 // reads half the bytes); each is widened to float32 exactly as it is read, and everything after is float32.
 //
-// Shapes: q [B, T, N, H] float32, k_pool / v_pool [K, P, Z, H], page_table [B, Pg] int32, lengths [B] int32,
-// k_new / v_new [B, T2, K, H], visible [B, T, T2] int32; out [B, T, N, H] float32.  H a multiple of 16 up to 256.
+// Shapes: q [B, T, N, H] float32, k_pool / v_pool [K, P, Z, H] (attribute layer = -1) or every layer's pools
+// [L, K, P, Z, H] (layer = the one read), page_table [B, Pg] int32, lengths [B] int32, k_new / v_new [B, T2, K, H],
+// visible [B, T, T2] int32; out [B, T, N, H] float32.  H a multiple of 16 up to 256.
 // AVX-512F or AVX2 + FMA (simd.h).  Work items are claimed by the caller and the kernels' helper threads
 // (workers.h).
 #include <algorithm>
@@ -274,12 +275,19 @@ struct Call {
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
                           ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> lengths,
                           ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> visible, float scale,
-                          ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), kd = k_pool.dimensions(), td = page_table.dimensions(), nd = k_new.dimensions(),
+                          int64_t layer, ffi::ResultBuffer<ffi::F32> out) {
+  // layer >= 0: the pools hold every layer's ([L, K, P, Z, H], model/target.py KVPages) and this call reads `layer`
+  const auto qd = q.dimensions(), pd = k_pool.dimensions(), td = page_table.dimensions(), nd = k_new.dimensions(),
              vd = visible.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || nd.size() != 4 || vd.size() != 3 || kd[3] != qd[3] ||
+  const size_t lead = layer >= 0 ? 1 : 0;
+  if (pd.size() != 4 + lead || v_pool.dimensions().size() != pd.size() ||
+      !std::equal(pd.begin(), pd.end(), v_pool.dimensions().begin()) || (lead && layer >= pd[0])) {
+    return ffi::Error::InvalidArgument("specjax paged attention: pools [K, P, Z, H] (or [L, K, P, Z, H] with a layer "
+                                       "in range)");
+  }
+  const int64_t kd[4] = {pd[lead], pd[lead + 1], pd[lead + 2], pd[lead + 3]};
+  if (qd.size() != 4 || td.size() != 2 || nd.size() != 4 || vd.size() != 3 || kd[3] != qd[3] ||
       qd[2] % kd[0] != 0 || td[0] != qd[0] || lengths.dimensions().size() != 1 || lengths.dimensions()[0] != qd[0] ||
-      v_pool.dimensions().size() != 4 || !std::equal(kd.begin(), kd.end(), v_pool.dimensions().begin()) ||
       nd[0] != qd[0] || nd[2] != kd[0] || nd[3] != qd[3] || v_new.dimensions().size() != 4 ||
       !std::equal(nd.begin(), nd.end(), v_new.dimensions().begin()) || vd[0] != qd[0] || vd[1] != qd[1] ||
       vd[2] != nd[1]) {
@@ -299,7 +307,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const Stored stored = kv == ffi::DataType::F32 ? Stored::kF32 : kv == ffi::DataType::F16 ? Stored::kF16
                                                                                          : Stored::kBF16;
   const int64_t K = kd[0], G = qd[2] / K;
-  Args a{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(), k_new.untyped_data(), v_new.untyped_data(),
+  const int64_t layer_bytes = lead ? static_cast<int64_t>(k_pool.size_bytes() / pd[0]) * layer : 0;
+  Args a{q.typed_data(), static_cast<const uint8_t*>(k_pool.untyped_data()) + layer_bytes,
+         static_cast<const uint8_t*>(v_pool.untyped_data()) + layer_bytes, k_new.untyped_data(), v_new.untyped_data(),
          stored, page_table.typed_data(), lengths.typed_data(), visible.typed_data(), out->typed_data(),
          K, qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], td[1], nd[1], qd[1] * G, scale};
   const int64_t pairs = a.kv_heads * a.batch, R = a.rows, H = a.head_dim;
@@ -358,5 +368,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPagedAttention, PagedAttention,
                                   .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>().Attr<float>("scale")
+                                  .Arg<ffi::Buffer<ffi::S32>>().Attr<float>("scale").Attr<int64_t>("layer")
                                   .Ret<ffi::Buffer<ffi::F32>>());

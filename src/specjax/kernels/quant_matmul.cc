@@ -349,31 +349,57 @@ ffi::Error Run(ffi::ThreadPool pool, const Weights& w, ffi::Buffer<ffi::F32> x, 
   return ffi::Error::Success();
 }
 
+// A matrix stacked with the other layers' ([L, ...]: model/stack.py) is read at `layer`; layer < 0: the buffer is
+// the matrix itself.  Rows per block group and blocks per row are then the dimensions after the layer's.
+template <ffi::DataType T>
+const ffi::NativeType<T>* AtLayer(const ffi::Buffer<T>& b, int64_t layer) {
+  if (layer < 0) return b.typed_data();
+  return b.typed_data() + layer * static_cast<int64_t>(b.element_count() / b.dimensions()[0]);
+}
+
+template <ffi::DataType T>
+int64_t BlocksPerRow(const ffi::Buffer<T>& b, int64_t layer) {
+  return b.dimensions()[layer < 0 ? 1 : 2];
+}
+
+template <ffi::DataType T>
+bool LayerInRange(const ffi::Buffer<T>& b, int64_t layer) {
+  return layer < 0 || (b.dimensions().size() >= 3 && layer < b.dimensions()[0]);
+}
+
+ffi::Error LayerError() {
+  return ffi::Error::InvalidArgument("specjax quant matmul: layer out of range of the stacked weights");
+}
+
 template <bool Int8>
 ffi::Error Q4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U16> scales,
-                ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
-  Weights w{codes.typed_data(), scales.typed_data(), nullptr, scales.dimensions()[1]};
+                ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, int64_t layer) {
+  if (!LayerInRange(codes, layer) || !LayerInRange(scales, layer)) return LayerError();
+  Weights w{AtLayer(codes, layer), AtLayer(scales, layer), nullptr, BlocksPerRow(scales, layer)};
   return Run<kQ4_0, Int8>(pool, w, x, y);
 }
 
 template <bool Int8>
 ffi::Error Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U16> scales,
-                ffi::Buffer<ffi::U16> mins, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
-  Weights w{codes.typed_data(), scales.typed_data(), mins.typed_data(), scales.dimensions()[1]};
+                ffi::Buffer<ffi::U16> mins, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, int64_t layer) {
+  if (!LayerInRange(codes, layer) || !LayerInRange(scales, layer) || !LayerInRange(mins, layer)) return LayerError();
+  Weights w{AtLayer(codes, layer), AtLayer(scales, layer), AtLayer(mins, layer), BlocksPerRow(scales, layer)};
   return Run<kQ4_1, Int8>(pool, w, x, y);
 }
 
 template <bool Int8>
 ffi::Error Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::U16> scales,
-                ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
-  Weights w{reinterpret_cast<const uint8_t*>(codes.typed_data()), scales.typed_data(), nullptr,
-            scales.dimensions()[1]};
+                ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, int64_t layer) {
+  if (!LayerInRange(codes, layer) || !LayerInRange(scales, layer)) return LayerError();
+  Weights w{reinterpret_cast<const uint8_t*>(AtLayer(codes, layer)), AtLayer(scales, layer), nullptr,
+            BlocksPerRow(scales, layer)};
   return Run<kQ8_0, Int8>(pool, w, x, y);
 }
 
 ffi::Error BF16(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::F32> x,
-                ffi::ResultBuffer<ffi::F32> y) {
-  Weights w{reinterpret_cast<const uint8_t*>(codes.typed_data()), nullptr, nullptr, codes.dimensions()[1]};
+                ffi::ResultBuffer<ffi::F32> y, int64_t layer) {
+  if (!LayerInRange(codes, layer)) return LayerError();
+  Weights w{reinterpret_cast<const uint8_t*>(AtLayer(codes, layer)), nullptr, nullptr, BlocksPerRow(codes, layer)};
   return Run<kBF16, false>(pool, w, x, y);
 }
 
@@ -381,13 +407,13 @@ ffi::Error BF16(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> codes, ffi::Buffer<f
 
 #define SPECJAX_Q4_0_BINDING                                                                                   \
   ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::U16>>()                \
-      .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int64_t>("layer")
 #define SPECJAX_Q4_1_BINDING                                                                                   \
   ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::U16>>()                \
-      .Arg<ffi::Buffer<ffi::U16>>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::U16>>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int64_t>("layer")
 #define SPECJAX_Q8_0_BINDING                                                                                   \
   ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>().Arg<ffi::Buffer<ffi::U16>>()                \
-      .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int64_t>("layer")
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_0, Q4_0<false>, SPECJAX_Q4_0_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_1, Q4_1<false>, SPECJAX_Q4_1_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ8_0, Q8_0<false>, SPECJAX_Q8_0_BINDING);
@@ -396,4 +422,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ4_1I8, Q4_1<true>, SPECJAX_Q4_1_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ8_0I8, Q8_0<true>, SPECJAX_Q8_0_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBF16, BF16,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer"));

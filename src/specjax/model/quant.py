@@ -42,11 +42,13 @@ class QuantMatrix:
     # not depend on how many rows share its step: losslessness); it is as fast as XLA's dot up to 64 tokens
     int8: bool = dataclasses.field(default=False, metadata=dict(static=True))
     rows: int = dataclasses.field(default=0, metadata=dict(static=True))  # O (int8: the codes hold groups of 8)
+    # the arrays hold every layer's matrix stacked on a leading axis (model/stack.py) and this one is `layer`
+    layer: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows = self.rows if self.int8 else self.codes.shape[0]
-        return rows, self.codes.shape[1] * 32  # Q4: 16 bytes of codes hold a block of 32
+        rows = self.rows if self.int8 else self.codes.shape[-3]
+        return rows, self.codes.shape[-2] * 32  # Q4: 16 bytes of codes hold a block of 32
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,11 @@ def deinterleave(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
 
 def plain_blocks(w: QuantMatrix, kind: str) -> HostBlocks:
     """A GGUF-format QuantMatrix's blocks on the host, [O, B, ...] whatever the kernel's layout."""
-    codes, scales = np.asarray(w.codes), np.asarray(w.scales)
-    mins = None if w.mins is None else np.asarray(w.mins)
+    def host(a):
+        return np.asarray(a if w.layer is None else a[w.layer])
+
+    codes, scales = host(w.codes), host(w.scales)
+    mins = None if w.mins is None else host(w.mins)
     if w.int8:
         return deinterleave(codes, scales, mins, kind, w.rows)
     return HostBlocks(kind, codes, scales, mins)
@@ -240,4 +245,4 @@ def kernel_product(w: QuantMatrix, x: jax.Array) -> jax.Array:
     """W[O, I] @ float32 x[I, M] -> [O, M] on the QuantMatrix's kernel, whatever M."""
     args = tuple(a for a in (w.codes, w.scales, w.mins) if a is not None) + (x,)
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(w.target, out)(*args)
+    return jax.ffi.ffi_call(w.target, out)(*args, layer=np.int64(-1 if w.layer is None else w.layer))

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.model.attention import KVRows, paged_attention
+from specjax.model.attention import KVRows, PoolView, paged_attention, reads_pages_in_place
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin
 from specjax.model.quant import QuantMatrix, head_product, matmul
 from specjax.sampling import vocab_major_argmax
@@ -72,7 +72,7 @@ class TargetLayer:
 @dataclass(frozen=True)
 class TargetWeights:
     embed: jax.Array  # [V, D]
-    layers: tuple[TargetLayer, ...]
+    layers: tuple[TargetLayer, ...]  # or a LayerStack of them (model/stack.py: int8 kernels, one device)
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None  # [V, D], or None when tied to `embed`
     head_blocks: QuantMatrix | None = None  # the LM head's rows as GGUF blocks for `logits` (model/quant.py)
@@ -116,25 +116,45 @@ class TargetWeights:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVPages:
-    """Paged K/V pools, one [K, P, Z, H] array per layer (see model/attention.py for the layout)."""
+    """Paged K/V pools, one [K, P, Z, H] array per layer, or (`stacked`) one [L, K, P, Z, H] array for every layer's
+    K and one for V: two step arguments instead of 2 L (see model/attention.py for the layout)."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[1]
+        return self.k.shape[2] if self.stacked else self.k[0].shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[2]
+        return self.k.shape[3] if self.stacked else self.k[0].shape[2]
+
+    def layer(self, i: int):
+        """-> (K pool, V pool) of layer i: arrays, or PoolViews into the stacks."""
+        if self.stacked:
+            return PoolView(self.k, i), PoolView(self.v, i)
+        return self.k[i], self.v[i]
 
 
 def init_kv_pages(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                  dtype=jnp.float32) -> KVPages:
+                  dtype=jnp.float32, stacked: bool = False) -> KVPages:
     shape = (num_kv_heads, num_pages, page_size, head_dim)
+    if stacked:
+        return KVPages(k=jnp.zeros((num_layers, *shape), dtype), v=jnp.zeros((num_layers, *shape), dtype))
     return KVPages(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+
+
+def stacks_pools(weights: TargetWeights, cfg: ModelConfig, kv_dtype) -> bool:
+    """Do this target's KV pools go stacked (KVPages.stacked)?  Where the kernels do every read (the attention of
+    any number of queries) and every write of them: they address a layer inside the stack; XLA would copy it out."""
+    return (weights.kv_write_kernel is not None and weights.attention_any_queries
+            and reads_pages_in_place(weights.attention_kernel, 1, kv_dtype, cfg.head_dim, True))
 
 
 @jax.tree_util.register_dataclass
@@ -194,7 +214,7 @@ def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: Model
     taps = {0: x} if 0 in tap_indices else {}
     new_k, new_v = [], []
     for i, layer in enumerate(weights.layers):
-        x, k_new, v_new = attention_block(layer, cfg, x, kv.k[i], kv.v[i], batch, cos, sin, weights.attention_kernel,
+        x, k_new, v_new = attention_block(layer, cfg, x, *kv.layer(i), batch, cos, sin, weights.attention_kernel,
                                           weights.attention_any_queries)
         x = mlp_block(layer, cfg, x)
         new_k.append(k_new)
@@ -203,6 +223,8 @@ def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: Model
             taps[i + 1] = x
     hidden = kept(rms_norm(x, weights.final_norm[:, None], cfg.rms_norm_eps, axis=0)).T.reshape(b, t, -1)
     tapped = kept(jnp.concatenate([taps[i] for i in tap_indices], axis=0)).T.reshape(b, t, -1) if tap_indices else None
+    if kv.stacked:  # as the pools: two outputs, two operands of the commit
+        return hidden, tapped, KVRows(k=jnp.stack(new_k), v=jnp.stack(new_v))
     return hidden, tapped, KVRows(k=tuple(new_k), v=tuple(new_v))
 
 
