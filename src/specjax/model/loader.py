@@ -24,7 +24,7 @@ from specjax.kernels import ACTIVATIONS
 from specjax.model import hub
 from specjax.model.attention import kernel_fits
 from specjax.model.quant import HostBlocks, QuantMatrix, to_device
-from specjax.model.stack import stack_layers, stackable
+from specjax.model.stack import first_layer, stack_layers, stackable
 from specjax.model.target import TargetLayer, TargetWeights, fused_row_order, gate_up_parts, qkv_parts
 from specjax.model.tokenizer import Tokenizer
 from specjax.parallel import mesh_size, placer
@@ -51,13 +51,14 @@ class LoadedModel:
     @property
     def quantized_kernels(self) -> bool:
         """Whether the projections run on the GGUF-block CPU kernels (model/quant.py)."""
+        layer = first_layer(self.weights.layers)
         return self.weights.head_blocks is not None or any(
-            isinstance(w, QuantMatrix) for w in (self.weights.layers[0].w_qkv, self.weights.layers[0].w_down))
+            isinstance(w, QuantMatrix) for w in (layer.w_qkv, layer.w_down))
 
     @property
     def kernel_activations(self) -> str | None:
         """"int8" or "float32": how the GGUF-block kernels take their activations; None without them."""
-        w = self.weights.layers[0].w_qkv
+        w = first_layer(self.weights.layers).w_qkv
         if not isinstance(w, QuantMatrix):
             return None
         return "int8" if w.int8 else "float32"

@@ -31,6 +31,7 @@ from specjax.config import ModelConfig
 from specjax.model.attention import KVRows, PoolView, paged_attention, reads_pages_in_place
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin
 from specjax.model.quant import QuantMatrix, head_product, matmul
+from specjax.model.stack import first_layer
 from specjax.sampling import vocab_major_argmax
 
 
@@ -86,7 +87,7 @@ class TargetWeights:
     @property
     def int8_products(self) -> bool:
         """Do the layers' products run on the int8-activation GGUF kernels (QuantMatrix.int8)?"""
-        w = self.layers[0].w_qkv
+        w = first_layer(self.layers).w_qkv
         return isinstance(w, QuantMatrix) and w.int8
 
     @property
