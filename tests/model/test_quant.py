@@ -439,9 +439,10 @@ def test_bfloat16_dflash_drafter_runs_on_the_bf16_kernel(tiny_dirs, tmp_path, ke
 
 def test_int8_layers_are_stacked_and_read_in_place(tiny_dirs, tmp_path, kernels, monkeypatch):
     """On the int8 kernels the loader stacks the layers (model/stack.py: a step takes one array per field, not one
-    per layer), and the kernels read a layer's blocks inside the stack: the logits and the engine's tokens are
-    bit-identical to the same file loaded layer by layer.  Float32-activation layers keep their dense copies and
-    stay a tuple."""
+    per layer) and the engine its KV pools, and the kernels read a layer inside the stacks: the logits and the
+    engine's tokens are bit-identical to the same file loaded layer by layer with a pool per layer.  Float32-activation
+    layers keep their dense copies and stay a tuple."""
+    from specjax.engine import engine as engine_module
     from specjax.model import loader
     from specjax.model.stack import LayerStack
 
@@ -466,9 +467,11 @@ def test_int8_layers_are_stacked_and_read_in_place(tiny_dirs, tmp_path, kernels,
     np.testing.assert_array_equal(short_forward(stacked, ids), short_forward(apart, ids))
     config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    [a] = LLMEngine(stacked.config, stacked.weights, config=config).generate([ids], params)
-    [b] = LLMEngine(apart.config, apart.weights, config=config).generate([ids], params)
-    assert a.output_ids == b.output_ids
+    one = LLMEngine(stacked.config, stacked.weights, config=config)
+    monkeypatch.setattr(engine_module, "stacks_pools", lambda *_: False)  # and the other's pools one per layer
+    other = LLMEngine(apart.config, apart.weights, config=config)
+    assert one.kv.stacked and not other.kv.stacked
+    assert one.generate([ids], params)[0].output_ids == other.generate([ids], params)[0].output_ids
     past = dataclasses.replace(layers[0].w_o, layer=len(layers))  # the kernel checks the layer against the stack
     with pytest.raises(Exception, match="layer out of range"):
         jax.block_until_ready(jax.jit(matmul)(past, jnp.ones((past.shape[1], 1), jnp.float32)))

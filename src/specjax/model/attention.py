@@ -49,10 +49,6 @@ class PoolView:
     def dtype(self):
         return self.stack.dtype
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.stack.shape[1:]
-
 
 def pool_array(pool) -> jax.Array:
     """A pool [K, P, Z, H] as an array (a PoolView's layer sliced out of its stack)."""
@@ -72,7 +68,8 @@ def write_pages(pool: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Arr
 
 def write_rows(pools, slots: jax.Array, rows, kernel: str | None = None):
     """Write a step's rows into paged state at `slots`.  `pools` is a dataclass whose fields are tuples of
-    [K, P, Z, H] pools (KVPages: k, v); `rows` has the same fields holding [B, T, K, H] rows (KVRows).  `kernel`:
+    [K, P, Z, H] pools or stacks [L, K, P, Z, H] (KVPages: k, v); `rows` has the same fields holding [B, T, K, H]
+    rows or stacks [L, B, T, K, H] (KVRows).  `kernel`:
     the registered FFI target of kernels/kv_write.cc (TargetWeights.kv_write_kernel), which writes every pool in
     one call, in place when the pools are donated; otherwise one XLA scatter per pool (`write_pages`)."""
     if rows is None:
