@@ -44,8 +44,7 @@ def llamacpp_run(model, ids: list[int], n: int) -> tuple[float, list[int]]:
 def specjax_run(llm: LLM, ids: list[int], n: int) -> tuple[float, list[int], float]:
     """-> (seconds a token after the first, tokens, tau)."""
     [res] = llm.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True))
-    steps = res.stats.acceptance_lengths
-    return res.tpot, list(res.token_ids), sum(steps) / len(steps) if steps else 1.0
+    return res.tpot, list(res.token_ids), res.stats.mean_acceptance_length
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:

@@ -29,34 +29,34 @@ PROMPTS = ("Natalia sold clips to 48 of her friends in April, and then she sold 
 
 
 def timed(llm: LLM, phases: dict) -> None:
-    """Record each decode step's phases of `llm`'s engine into `phases` (lists of seconds)."""
-    eng = llm.engine
-    run, to_host = eng._run, engine_module.to_host
+    """Record the call of each decode step's program and of its commit (`llm`'s engine runs them through its own
+    `_run`, handed wrappers that time each call) into `phases` (lists of seconds)."""
+    eng, run = llm.engine, llm.engine._run
+
+    def clocked(fn, key):
+        def call(*args):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            phases[key].append(time.perf_counter() - t0)
+            return out
+        return call
 
     def step_run(shape, program, *args):
-        step, commit = program
-        if shape.kind != "decode":
-            return run(shape, program, *args)
-        t0 = time.perf_counter()
-        out = step(eng.tweights, eng.kv, eng.pweights, eng.pstate, *args)
-        t1 = time.perf_counter()
-        eng.kv, eng.pstate = commit(eng.kv, eng.pstate, args[0].slots, out[3], out[5], out[4])
-        phases["call"].append(t1 - t0)
-        phases["commit"].append(time.perf_counter() - t1)
-        return out
+        if shape.kind == "decode":
+            program = (clocked(program[0], "call"), clocked(program[1], "commit"))
+        return run(shape, program, *args)
 
     eng._run = step_run
-    phases["to_host"] = to_host
 
 
 def generate(llm: LLM, phases: dict, prompt: str, params: SamplingParams) -> tuple[float, list[int]]:
     """-> (seconds a token, tokens); each decode step's time and its waits for results appended to `phases`."""
-    eng = llm.engine
+    eng, to_host = llm.engine, engine_module.to_host
     waited = [0.0]
 
     def wait(x):
         t0 = time.perf_counter()
-        out = phases["to_host"](x)
+        out = to_host(x)
         waited[0] += time.perf_counter() - t0
         return out
 
@@ -71,7 +71,7 @@ def generate(llm: LLM, phases: dict, prompt: str, params: SamplingParams) -> tup
             phases["step"].append(time.perf_counter() - s0)
             phases["wait"].append(waited[0])
     elapsed = time.perf_counter() - t0
-    engine_module.to_host = phases["to_host"]
+    engine_module.to_host = to_host
     seq = eng.seqs[sid]
     return elapsed / len(seq.output_ids), list(seq.output_ids)
 
