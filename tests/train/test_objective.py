@@ -59,11 +59,14 @@ def extended(setup, slot: bool, vocab: int):
 
 
 def inference_logits(target, cfg, full_weights, taps, tokens, i, a):
-    """The inference drafter with context rows 0..a-1 of sequence i and bonus x[a] at position a."""
+    """The inference drafter with context rows 0..a-1 of sequence i and bonus x[a] at position a.  Every row of the
+    sequence is observed and only rows 0..a-1 are written (slot -1: dropped), so each call has the same shapes and
+    its eager ops compile once, not once per anchor (a row's K/V depends on nothing but that row)."""
     w = target.weights
     dkv = init_kv_pages(cfg.num_layers, 2, 32, cfg.num_kv_heads, cfg.head_dim)
-    pos = jnp.arange(a)[None]
-    dkv = write_rows(dkv, 32 + pos, dflash.observe(full_weights, cfg, jnp.asarray(taps[i:i + 1, :a]), pos))
+    pos = jnp.arange(taps.shape[1])[None]
+    slots = jnp.where(pos < a, 32 + pos, -1)
+    dkv = write_rows(dkv, slots, dflash.observe(full_weights, cfg, jnp.asarray(taps[i:i + 1]), pos))
     prepared = dflash.with_draft_head(full_weights, w.vocab_rows)
     return np.asarray(dflash.propose_logits(prepared, cfg, dkv, w.embed, w.vocab_rows,
                                             jnp.asarray(tokens[i, a:a + 1]), jnp.asarray([a]), jnp.asarray([[1]]),
