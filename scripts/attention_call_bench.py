@@ -6,7 +6,7 @@ heads, 3 KV heads, head_dim 64, pages of 16), batch 1, against random pools.
     PYTHONPATH=/path/to/other/tree/src python scripts/attention_call_bench.py     # another revision's kernel
 
 Prints (and writes) the minimum and median microseconds per call for each (context, queries).  One call per jitted
-function (the default) includes jax's dispatch, ~25-30 us of the ~40 us it reports at context 128 on the AVX2 VM;
+function (the default) includes jax's dispatch (at context 128 on the AVX2 VM: ~27 us a call, ~10-17 us chained);
 `--chain N` times N calls chained inside one program instead, each reading its own layer of a stacked pool
 ([N, K, P, Z, H], as a decode step reads its layers), so what it reports is the kernel's own cost in a step.
 """
