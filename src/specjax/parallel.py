@@ -146,6 +146,16 @@ def replicate(tree, mesh: Mesh | None):
     return jax.tree_util.tree_map(put, tree)
 
 
+def committed(tree):
+    """`tree` with every uncommitted array leaf committed to the device it is on (the same buffer, not a copy).  A
+    compiled step checks the placement of each uncommitted argument on every call: a DFlash engine's 42 drafter
+    weights and pools, made uncommitted, cost ~0.05-0.1 ms a step on the 2-vCPU CPU host."""
+    def put(x):
+        return jax.device_put(x, x.sharding) if isinstance(x, jax.Array) and not x.committed else x
+
+    return jax.tree_util.tree_map(put, tree)
+
+
 def zeros_like_tree(make, mesh: Mesh | None, spec: P):
     """Run `make()` (a function building a pytree of zeros) with every leaf created directly in `spec` on `mesh`
     (no full copy on one device first).  Without a mesh: make() as is."""

@@ -374,6 +374,7 @@ def test_dflash_drafter_beside_an_int8_target_runs_on_q8_0_blocks(tiny_dirs, tmp
     the output equals plain decoding, and every decode step calls that kernel for each of those matrices."""
     from specjax.drafter import dflash
     from specjax.drafter.loader import drafter_config_for, init_drafter
+    from specjax.model.stack import LayerStack
     from specjax.spec.proposer import DFlashProposer
 
     path = str(tmp_path / "llama-Q4_1.gguf")
@@ -392,6 +393,13 @@ def test_dflash_drafter_beside_an_int8_target_runs_on_q8_0_blocks(tiny_dirs, tmp
     taps = jnp.asarray(np.random.default_rng(12).standard_normal((1, 5, fast.fc.shape[1])), jnp.float32)
     rows = [np.asarray(dflash.observe(w, dcfg, taps, jnp.arange(5)[None]).k[1]) for w in (fast, fp32)]
     np.testing.assert_allclose(rows[0], rows[1], rtol=0.05, atol=0.05 * np.abs(rows[1]).max())
+    # its layers are stacked like the target's (one array per field), and read exactly as a layer of its own
+    assert isinstance(fast.layers, LayerStack) and fast.layers.stacked.w_q.codes.shape[0] == dcfg.num_layers
+    apart = dflash.with_q8_0_kernel(dflash.with_draft_head(fp32, model.weights.head_matrix), target)
+    assert isinstance(apart.layers, tuple)
+    for a, b in zip(dflash.observe(fast, dcfg, taps, jnp.arange(5)[None]).v,
+                    dflash.observe(apart, dcfg, taps, jnp.arange(5)[None]).v, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     steps = lossless_dflash_decode_steps(model, proposer, fp32)
     head = model.weights.head_blocks is not None and model.weights.head_blocks.target == target  # a Q8_0 head
@@ -471,6 +479,8 @@ def test_int8_layers_are_stacked_and_read_in_place(tiny_dirs, tmp_path, kernels,
     monkeypatch.setattr(engine_module, "stacks_pools", lambda *_: False)  # and the other's pools one per layer
     other = LLMEngine(apart.config, apart.weights, config=config)
     assert one.kv.stacked and not other.kv.stacked
+    # on one device a step's arrays are committed to it (an uncommitted argument costs its placement check per call)
+    assert all(a.committed for a in jax.tree.leaves((one.tweights, one.kv, other.tweights, other.kv)))
     assert one.generate([ids], params)[0].output_ids == other.generate([ids], params)[0].output_ids
     past = dataclasses.replace(layers[0].w_o, layer=len(layers))  # the kernel checks the layer against the stack
     with pytest.raises(Exception, match="layer out of range"):

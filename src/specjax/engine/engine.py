@@ -32,7 +32,7 @@ from specjax.hostmem import release_zero_pages
 from specjax.kv.allocator import OutOfPages, PageAllocator
 from specjax.model.attention import reads_pages_in_place
 from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages, stacks_pools
-from specjax.parallel import kv_spec, mesh_size, replicate, to_global, to_host, zeros_like_tree
+from specjax.parallel import committed, kv_spec, mesh_size, replicate, to_global, to_host, zeros_like_tree
 from specjax.sampling import GREEDY, SamplingParams, sampler_mode
 from specjax.spec.proposer import NoProposer
 
@@ -141,6 +141,9 @@ class LLMEngine:
                                   mesh, kv_spec())
         self.pstate = zeros_like_tree(lambda: self.proposer.init_state(config.pool_pages, config.page_size, dtype),
                                       mesh, PartitionSpec())
+        if mesh is None:  # one device: the step's arguments committed to it (on a mesh they are already)
+            self.tweights, self.pweights, self.kv, self.pstate = committed(
+                (self.tweights, self.pweights, self.kv, self.pstate))
         # the pools are zeros: only the pages a step writes need to be resident (hostmem.release_zero_pages)
         self.pool_bytes_released = release_zero_pages((self.kv, self.pstate))
         self._inputs_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())  # host inputs
