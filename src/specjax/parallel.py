@@ -149,9 +149,16 @@ def replicate(tree, mesh: Mesh | None):
 def committed(tree):
     """`tree` with every uncommitted array leaf committed to the device it is on (the same buffer, not a copy).  A
     compiled step's call takes a slower path for each uncommitted argument: a DFlash engine's 42 uncommitted drafter
-    weights and pools cost 15-30 us a step on the 2-vCPU CPU host (in-process A/B)."""
+    weights and pools cost 15-30 us a step on the 2-vCPU CPU host (in-process A/B).  An array that appears twice
+    (EAGLE-3's view of the target's embedding) stays one array."""
+    done: dict[int, jax.Array] = {}
+
     def put(x):
-        return jax.device_put(x, x.sharding) if isinstance(x, jax.Array) and not x.committed else x
+        if not isinstance(x, jax.Array) or x.committed:
+            return x
+        if id(x) not in done:
+            done[id(x)] = jax.device_put(x, x.sharding)
+        return done[id(x)]
 
     return jax.tree_util.tree_map(put, tree)
 

@@ -38,6 +38,8 @@ def test_engine_drafts_match_numpy_reference_every_step(setup):
     engine = LLMEngine(target.config, target.weights, Eagle3Proposer(cfg, 3),
                        Eagle3Params(weights, target.weights.embed),
                        EngineConfig(page_size=4, max_model_len=64, max_num_seqs=1), record_drafts=True)
+    # the drafter's view of the target's embedding stays the same array (counted once), committed with the rest
+    assert engine.pweights.embed is engine.tweights.embed and engine.tweights.embed.committed
     [seq] = engine.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))
     tokens = prompt + seq.output_ids
     s = len(prompt)  # the first decode step's bonus position
