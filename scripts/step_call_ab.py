@@ -9,21 +9,28 @@ outside them).  Both engines must print the same tokens.
 """
 
 import argparse
+import collections
+import os
 import statistics
-import time
+import sys
 
 import jax
 
-import specjax.engine.engine as engine_module
-import specjax.spec.proposer as proposer_module
-from specjax.config import EngineConfig
-from specjax.llm import LLM
-from specjax.sampling import SamplingParams
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stacking_ab import timed  # noqa: E402
+
+import specjax.engine.engine as engine_module  # noqa: E402
+import specjax.spec.proposer as proposer_module  # noqa: E402
+from specjax.config import EngineConfig  # noqa: E402
+from specjax.llm import LLM  # noqa: E402
+from specjax.sampling import SamplingParams  # noqa: E402
 
 PROMPT = "Natalia sold clips to 48 of her friends in April. How many clips did she sell? Explain step by step."
 
 
 def build(stack: bool, commit: bool):
+    """-> (engine, its first decode step's (shape, program, inputs), tokens, argument count, phases); the engine's
+    `_run` then times each call of the step and commit programs into phases["call"] / phases["commit"]."""
     saved = (proposer_module.stackable, engine_module.committed)
     if not stack:
         proposer_module.stackable = lambda layers: False
@@ -33,18 +40,20 @@ def build(stack: bool, commit: bool):
         llm = LLM(method="dflash", engine_config=EngineConfig(max_model_len=4096, num_draft_tokens=3))
     finally:
         proposer_module.stackable, engine_module.committed = saved
-    eng, captured, run = llm.engine, {}, llm.engine._run
+    eng, captured, run = llm.engine, [], llm.engine._run
 
     def capture(shape, program, *args):
         if shape.kind == "decode" and not captured:
-            captured["step"] = (program, args)
+            captured.append((shape, program, args))
         return run(shape, program, *args)
 
     eng._run = capture
     [out] = llm.generate([llm.encode(PROMPT)], SamplingParams(max_new_tokens=32, ignore_eos=True))
-    (step, commit_program), args = captured["step"]
-    count = len(jax.tree.leaves((eng.tweights, eng.kv, eng.pweights, eng.pstate, args)))
-    return eng, step, commit_program, args, count, out.token_ids
+    eng._run = run
+    phases = collections.defaultdict(list)
+    timed(llm, phases)
+    count = len(jax.tree.leaves((eng.tweights, eng.kv, eng.pweights, eng.pstate, captured[0][2])))
+    return eng, captured[0], out.token_ids, count, phases
 
 
 def main() -> None:
@@ -53,24 +62,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=400)
     a = p.parse_args()
     engines = {"A": build(False, False), "B": build(not a.commit_only, True)}
-    assert engines["A"][5] == engines["B"][5], "the two engines printed different tokens"
-    times = {k: ([], []) for k in engines}
+    assert engines["A"][2] == engines["B"][2], "the two engines printed different tokens"
     for r in range(a.rounds):
         for k in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            eng, step, commit_program, args, _, _ = engines[k]
-            t0 = time.perf_counter()
-            out = step(eng.tweights, eng.kv, eng.pweights, eng.pstate, *args)
-            t1 = time.perf_counter()
-            jax.block_until_ready(out)
-            t2 = time.perf_counter()
-            eng.kv, eng.pstate = commit_program(eng.kv, eng.pstate, args[0].slots, out[3], out[5], out[4])
-            t3 = time.perf_counter()
+            eng, (shape, program, args), *_ = engines[k]
+            jax.block_until_ready(eng._run(shape, program, *args))  # the engine's own call of step and commit
             jax.block_until_ready(eng.kv)
-            times[k][0].append(t1 - t0)
-            times[k][1].append(t3 - t2)
-    for k, (calls, commits) in times.items():
-        print(f"{k}: {engines[k][4]} arguments, call {1e3 * statistics.median(calls):.3f} ms, "
-              f"commit call {1e3 * statistics.median(commits):.3f} ms")
+    for k, (_, _, _, count, phases) in engines.items():
+        print(f"{k}: {count} arguments, call {1e3 * statistics.median(phases['call']):.3f} ms, "
+              f"commit call {1e3 * statistics.median(phases['commit']):.3f} ms")
 
 
 if __name__ == "__main__":

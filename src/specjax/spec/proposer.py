@@ -104,8 +104,8 @@ class DFlashProposer:
         products: beside int8-activation ones they are quantized as Q8_0 for the same int8 kernel
         (dflash.with_q8_0_kernel: 0.91-0.97 ms instead of 1.20-1.39 for a block of 4, tau within 0.01 of the
         bfloat16 drafter's on every bench dataset) and its layers stacked as the target's are (model/stack.py: a
-        step's arguments 73 -> 59, ~0.03 ms of its call); beside float32-activation ones a bfloat16 drafter's
-        matrices go through the BF16 kernel, the same weights (dflash.with_bf16_kernel)."""
+        step's arguments 73 -> 59); beside float32-activation ones a bfloat16 drafter's matrices go through the
+        BF16 kernel, the same weights (dflash.with_bf16_kernel)."""
         params = dflash.with_draft_head(params, target.head_matrix)
         if target.attention_kernel is not None:  # the target was loaded onto specjax's CPU kernels
             from specjax.kernels import quant_kernels
