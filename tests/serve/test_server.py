@@ -30,7 +30,7 @@ def live_server(llm: LLM):
 
 def make_llm(tiny_dirs, **engine_kw):
     # prefill chunks of 64: the prompts here are short, longer ones are chunked, and warmup_all compiles 3 prefill
-    # token buckets instead of 5 (the module's fixture took 133 s with 256, 100 s with 64)
+    # token buckets instead of 5 (the fixture in clean-clone CI runs: 142 s with 256, 111-132 s with 64)
     cfg = dict(max_model_len=256, page_size=8, max_num_seqs=16, adaptive_k=False, prefill_chunk=64)
     cfg.update(engine_kw)
     llm = LLM(tiny_dirs["qwen3"], drafter="random:1", method="dflash", block_size=4, engine_config=EngineConfig(**cfg))
