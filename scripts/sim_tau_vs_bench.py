@@ -35,7 +35,11 @@ def main() -> None:
     from specjax.train.trainer import DFlashMethod, Eagle3Method
 
     bench = json.load(open(args.bench))
-    target = load_model(bench["config"].get("model"))
+    config = bench["config"]
+    target = load_model(config.get("model"))  # float32: the drafter's frozen embedding and head come from it
+    # the taps as the bench's engine computed them (a GGUF on the int8-activation kernels, if it ran so)
+    served = (load_model(config.get("model"), quant_kernels=True, activations=config["kernel_activations"])
+              if config.get("quant_kernels") else target)
     if args.method == "dflash":
         dcfg, w = load_drafter(args.drafter, target.config)
         ids = None if w.draft_ids is None else tuple(int(i) for i in np.asarray(w.draft_ids))
@@ -58,7 +62,7 @@ def main() -> None:
             for prompt, out in zip(prompts, ar[0]["outputs"]):
                 ids_ = target.tokenizer.encode_chat([{"role": "user", "content": prompt.turns[0]}])
                 store.append(prompt.id, dataset, ids_ + list(out), len(ids_), "length")
-            sim = HeldOutSet(target, store, method.tap_indices, method.sim_span, max_len=2048).evaluate(
+            sim = HeldOutSet(served, store, method.tap_indices, method.sim_span, max_len=2048).evaluate(
                 method, params, consts)[dataset]
         engine = {r["num_draft_tokens"]: r["tau"] for r in records
                   if r["method"].startswith(args.method) and r["dataset"] == dataset}

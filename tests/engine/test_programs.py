@@ -43,6 +43,7 @@ def test_background_builds_in_order_and_lookups_prefer_the_smallest_fit():
     queued = [shape(b=1, pg=4), shape(b=1, pg=8), shape(b=2, pg=4)]
     assert progs.prefetch(queued + [big]) == 3
     assert progs.get(shape(b=1, pg=4))[0] in (big, shape(b=1, pg=4))  # a fit is used at once, never waited for
+    assert progs.wait_s == 0
     assert progs.wait_idle(5)
     assert build.order == [big] + queued and set(build.threads[1:]) == {"specjax-compile"}
     assert progs.get(shape(b=1, pg=2))[0] == shape(b=1, pg=4)
@@ -57,6 +58,7 @@ def test_a_step_waits_for_its_queued_shape_which_jumps_the_queue():
     progs.prefetch(queued)
     got, fn = progs.get(shape(n=4))  # nothing fits K = 4: wait for it rather than compile here
     assert got == shape(n=4) and fn() == shape(n=4)
+    assert 0.1 < progs.wait_s < 5  # the step's wait is counted (a generation's tok/s is reported without it)
     assert build.order.index(shape(n=4)) <= 1 and progs.foreground_builds == 0
     progs.close()
     assert progs.pending() == 0 and len(build.order) < 5

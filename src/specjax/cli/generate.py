@@ -52,7 +52,8 @@ def cmd_generate(args) -> int:
         print()
     if args.json:
         print(json.dumps({"method": llm.method, "prompt_tokens": len(ids), "new_tokens": len(res.token_ids),
-                          "ttft_s": res.ttft, "tpot_s": res.tpot, "tau": res.stats.mean_acceptance_length,
+                          "ttft_s": res.ttft, "tpot_s": res.tpot,
+                          "program_wait_s": res.stats.program_wait_s, "tau": res.stats.mean_acceptance_length,
                           "acceptance_lengths": res.stats.acceptance_lengths, "text": res.text,
                           "token_ids": res.token_ids, "quant_kernels": llm.target.quantized_kernels,
                           "kernel_activations": llm.target.kernel_activations,
@@ -70,7 +71,12 @@ def cmd_generate(args) -> int:
     lines = [f"--- {desc} | load {load_s:.1f}s | prompt {len(ids)} tok | {len(res.token_ids)} new tok "
              f"({res.finish_reason}) | TTFT {res.ttft:.2f}s"]
     if res.tpot:
-        lines.append(f"decode: {1 / res.tpot:.1f} tok/s ({1000 * res.tpot:.1f} ms/token over {decode_tokens} tokens)")
+        line = f"decode: {1 / res.tpot:.1f} tok/s ({1000 * res.tpot:.1f} ms/token over {decode_tokens} tokens)"
+        wait = s.program_wait_s
+        if wait > 0.001 and res.tpot * decode_tokens > wait:  # a short answer's tok/s is mostly this wait
+            line += (f", {decode_tokens / (res.tpot * decode_tokens - wait):.1f} tok/s without the {wait:.2f} s its "
+                     "steps waited for their program to load or compile")
+        lines.append(line)
     if s.acceptance_lengths:
         lines.append(f"tau (mean acceptance length, bonus counted): {s.mean_acceptance_length:.2f} over "
                      f"{len(s.acceptance_lengths)} target forwards; drafts accepted {s.num_accepted}/{s.num_drafted}")

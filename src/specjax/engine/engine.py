@@ -567,7 +567,11 @@ class LLMEngine:
         else:
             k = self.k_options[0]
         need = StepShape("decode", b, k, pages[k], mode)
+        waited = self.programs.wait_s
         shape, program = self.programs.get(need)
+        waited = self.programs.wait_s - waited
+        for seq in seqs:
+            seq.stats.program_wait_s += waited
         self.k_history[k] += 1
         self.last_k = k
         rows = shape.batch  # >= b when the step runs in a larger ready batch bucket (padding rows write nothing)

@@ -58,6 +58,7 @@ class StepPrograms:
         self.ready: collections.OrderedDict[StepShape, Callable] = collections.OrderedDict()  # least recent first
         self.runs: collections.Counter = collections.Counter()  # lookups that returned each shape
         self.foreground_builds = 0
+        self.wait_s = 0.0  # seconds get() spent waiting for a program that nothing ready could stand in for
         self.on_demand = False  # queue the exact shape of steps that had to run padded
         # ... once that many steps of its kind asked for it: a short answer compiles nothing more while it decodes,
         # and a prefill, whose padding multiplies the whole forward (a batch of 1 in a program of 4), soon gets its own
@@ -201,6 +202,7 @@ class StepPrograms:
     def _fit_or_build(self, need: StepShape) -> StepShape:
         found = self.find(need)
         if found is None:
+            t0 = time.perf_counter()
             with self._cv:
                 if need in self._error:
                     raise self._error.pop(need)
@@ -220,6 +222,7 @@ class StepPrograms:
                 self.foreground_builds += 1
                 self.build_now(need)
                 found = need
+            self.wait_s += time.perf_counter() - t0
         elif found != need:
             self.request([need])
         return found

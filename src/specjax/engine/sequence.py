@@ -23,6 +23,7 @@ class SequenceStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [k-1]: steps where draft k was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [k-1]: steps where draft k was proposed
     num_preemptions: int = 0
+    program_wait_s: float = 0.0  # decode steps' time waiting for their step program (built or loaded meanwhile)
     draft_log: list[list[int]] | None = None  # drafts proposed at every step (engine record_drafts=True)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
