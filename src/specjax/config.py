@@ -411,6 +411,12 @@ class EngineConfig:
     program_cache: str | None = None
     """Directory of compiled step programs saved by earlier runs and loaded without tracing (engine/program_store.py;
     one device, one process; jax's persistent compilation cache must be off in this process); None = none."""
+    lookup_min_match: int | None = None
+    """Prompt lookup assists a device drafter (DFlash, EAGLE-3): a step whose context ends in an n-gram of at least
+    this many tokens seen before in the prompt or output (the longest match up to spec/lookup.py's LOOKUP_MAX_N,
+    most recent first) verifies the K tokens that followed it instead of the drafter's block; 0 = off; None = off,
+    except that the `LLM` class picks a platform default for DFlash (`llm.default_lookup_min_match`).  Lossless
+    either way (any draft is verified); it pays where text repeats, see docs/results/bench.md."""
     kv_cache_dtype: str = "auto"
     """dtype of the target's KV pools: "float32", "float16", "bfloat16", or "auto" (engine.kv_cache_dtype: float16
     on the int8-activation GGUF kernels, as llama.cpp's default cache, else the activations' dtype).  A 16-bit
@@ -428,6 +434,8 @@ class EngineConfig:
                               f"num_pages={self.num_pages}: give the pool in bytes or in pages")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
             raise ConfigError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        if self.lookup_min_match is not None and self.lookup_min_match < 0:
+            raise ConfigError(f"lookup_min_match must be >= 0 (0 = off), got {self.lookup_min_match}")
         if self.page_bucket_factor < 2:
             raise ConfigError(f"page_bucket_factor must be >= 2, got {self.page_bucket_factor}")
         if self.max_step_programs < 0:

@@ -93,6 +93,17 @@ def default_num_draft(max_draft: int, platform: str) -> int:
     return min(max_draft, CPU_FIXED_K) if platform == "cpu" else max_draft
 
 
+CPU_LOOKUP_MIN_MATCH = 4
+
+
+def default_lookup_min_match(platform: str) -> int:
+    """The repeated n-gram length at which prompt lookup's drafts stand in for a DFlash drafter's block when none is
+    asked for.  On a CPU at K = 2-3 it raised tau by 0.00-0.29 and speed by 1.00-1.23x on the five bench datasets
+    (docs/results/bench.md, session 52; chosen on held-out answers by simulation: 3 and 4 tie, 4 never loses);
+    elsewhere the drafter's whole block is verified and lookup is unmeasured: off."""
+    return CPU_LOOKUP_MIN_MATCH if platform == "cpu" else 0
+
+
 CPU_KV_CACHE_MEMORY = 1 << 30  # default KV budget on a CPU host (docs/results/startup.md)
 
 
@@ -151,6 +162,8 @@ class LLM:
         if self.method == "dflash" and engine_config.num_draft_tokens is None and not engine_config.adaptive_k:
             engine_config = dataclasses.replace(
                 engine_config, num_draft_tokens=default_num_draft(proposer.max_draft_tokens, platform))
+        if self.method == "dflash" and engine_config.lookup_min_match is None:
+            engine_config = dataclasses.replace(engine_config, lookup_min_match=default_lookup_min_match(platform))
         budget = default_kv_cache_memory(platform)
         if budget and not engine_config.num_pages and not engine_config.kv_cache_memory:
             floor = one_sequence_bytes(engine_config, self.target.config, proposer, self.target.weights)

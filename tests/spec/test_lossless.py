@@ -7,6 +7,8 @@ sampled tokens equal plain sampled decoding (randomness is tied to positions, se
 test_rejection_sampling.py checks the distribution itself.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -103,6 +105,30 @@ def test_ngram_greedy_equals_plain_decoding(setup, ar_greedy, k):
     assert any(t > 1 for s in seqs for t in s.stats.acceptance_lengths)
 
 
+def test_dflash_with_prompt_lookup_equals_plain_decoding(setup, ar_greedy):
+    """Prompt lookup standing in for the drafter's block in the rows whose context repeats (lookup_min_match = 1:
+    most steps of this looping tiny model, the others the drafter's) changes no token."""
+    target, dcfg, dweights, prompts = setup
+    outs, params = ar_greedy
+    seqs, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params,
+                  dataclasses.replace(big_pool(page_size=4), lookup_min_match=1), record_drafts=True)
+    assert [s.output_ids for s in seqs] == outs
+    lookups = sum(s.stats.lookup_steps for s in seqs)
+    assert 0 < lookups < sum(len(s.stats.acceptance_lengths) for s in seqs)
+    # the verified drafts were lookup's: what followed the latest earlier match of the context's last tokens
+    lookup = NgramProposer(max_draft_tokens=7, min_n=1, max_n=8)
+    hits = 0
+    for seq, prompt in zip(seqs, prompts):
+        ids, pos = list(prompt), 0
+        for drafts, tau in zip(seq.stats.draft_log, seq.stats.acceptance_lengths):
+            ids.append(seq.output_ids[pos])
+            proposal = lookup.host_propose(ids, 7)
+            hits += len(proposal) == 7 and drafts == proposal[:len(drafts)]  # the log keeps the drafts it may accept
+            ids += seq.output_ids[pos + 1:pos + tau]
+            pos += tau
+    assert hits == lookups
+
+
 def test_dflash_tiny_page_pool_preempts_and_stays_lossless(setup, ar_greedy):
     target, dcfg, dweights, prompts = setup
     outs, params = ar_greedy
@@ -162,6 +188,9 @@ def test_seeded_sampling_equals_plain_sampling(setup, params):
     ar, _ = run(target, NoProposer(), None, prompts, params, big_pool())
     spec, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params, big_pool(4))
     assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+    lookup, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params,
+                    dataclasses.replace(big_pool(4), lookup_min_match=1))  # any draft is verified the same way
+    assert [s.output_ids for s in lookup] == [s.output_ids for s in ar] and any(s.stats.lookup_steps for s in lookup)
     oracle = NoisyOracle(prompts, [s.output_ids for s in ar], k=6)
     noisy, _ = run(target, oracle, None, prompts, params, big_pool(4))
     assert [s.output_ids for s in noisy] == [s.output_ids for s in ar]

@@ -1,8 +1,10 @@
-"""n-gram prompt lookup: what it proposes, and that it is lossless in the engine."""
+"""n-gram prompt lookup: what it proposes, and the incremental index that assists device drafters."""
 
+import numpy as np
 import pytest
 
 from specjax.config import ConfigError
+from specjax.spec.lookup import LookupIndex
 from specjax.spec.proposer import NgramProposer
 
 
@@ -22,3 +24,19 @@ def test_invalid_ngram_settings():
         NgramProposer(min_n=3, max_n=2)
     with pytest.raises(ConfigError, match="num_draft_tokens must be >= 1"):
         NgramProposer(max_draft_tokens=0)
+
+
+def test_incremental_index_proposes_what_the_whole_sequence_scan_proposes():
+    """LookupIndex (the engine's prompt lookup beside a drafter) against NgramProposer, its slow oracle, on random
+    sequences over small vocabularies (many repeats), grown a few tokens at a time past a prompt."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        vocab, length = int(rng.integers(2, 6)), int(rng.integers(1, 60))
+        min_n = int(rng.integers(1, 5))
+        max_n = max(min_n, int(rng.integers(1, 9)))
+        tokens = [int(t) for t in rng.integers(0, vocab, length)]
+        prompt_len = int(rng.integers(0, length))
+        oracle, index = NgramProposer(max_draft_tokens=3, min_n=min_n, max_n=max_n), LookupIndex(min_n, max_n)
+        for end in range(prompt_len, length + 1, int(rng.integers(1, 4))):
+            index.extend(tokens[:prompt_len], tokens[prompt_len:end])
+            assert index.propose(3) == oracle.host_propose(tokens[:end], 3), (tokens[:end], min_n, max_n)

@@ -28,6 +28,7 @@ class RequestRecord:
     acceptance_lengths: list[int]
     drafted_per_position: list[int]
     accepted_per_position: list[int]
+    lookup_steps: int = 0  # decode steps whose drafts were prompt lookup's (NAME+lookup methods)
 
 
 @dataclass
@@ -47,7 +48,7 @@ def run_one(llm, messages: list[dict], params: SamplingParams):
     s = res.stats
     return dict(prompt_ids=ids, output_ids=res.token_ids, ttft_s=res.ttft or 0.0, decode_s=decode,
                 acceptance_lengths=list(s.acceptance_lengths), drafted_per_position=list(s.drafted_per_position),
-                accepted_per_position=list(s.accepted_per_position)), res.text
+                accepted_per_position=list(s.accepted_per_position), lookup_steps=s.lookup_steps), res.text
 
 
 def warm_up(llm, prompts: list[Prompt], params: SamplingParams) -> None:
@@ -109,6 +110,7 @@ def summarize(run: MethodRun, block_size: int | None) -> dict:
         "method": run.method, "dataset": run.dataset, "block_size": block_size,
         "num_requests": len(recs), "output_tokens": sum(len(r.output_ids) for r in recs),
         "tau": float(np.mean(taus)) if taus else None,
+        "lookup_share": sum(r.lookup_steps for r in recs) / len(taus) if taus else None,
         "acceptance_histogram": hist,
         "per_position_acceptance": [float(a / d) if d else None for a, d in zip(accepted, drafted)],
         "tpot_ms": 1000 * decode_s / decode_tokens if decode_tokens else None,

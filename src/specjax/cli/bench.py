@@ -47,11 +47,15 @@ def cmd_bench(args) -> int:
     datasets = {name: load_eval(name, args.data_dir, args.data_file)[:num_prompts] for name in datasets_arg.split(",")}
     params = SamplingParams(temperature=args.temperature, max_new_tokens=max_new, seed=args.seed)
     llms = {}
-    for spec in methods:  # "name" or "name@K" (K drafts per step; for dflash a block of --block-size, else K + 1)
+    for spec in methods:  # "name[+lookup][@K]" (K drafts per step; for dflash a block of --block-size, else K + 1)
         name, _, k = spec.partition("@")
+        name, _, assist = name.partition("+")
+        if assist and (assist != "lookup" or name not in ("dflash", "eagle3")):
+            raise ConfigError(f"bench method {spec!r}: only dflash+lookup and eagle3+lookup combine methods")
         k = int(k) if k else (args.num_draft_tokens if name != "ar" else None)
         block = (args.block_size or k + 1) if (name == "dflash" and "@" in spec) else args.block_size
         cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=k,
+                           lookup_min_match=args.lookup_min_match if assist else 0,
                            program_cache=program_cache, kv_cache_dtype=args.kv_cache_dtype)
         drafter = {"dflash": args.drafter, "eagle3": args.eagle3_drafter}.get(name)
         llms[spec] = LLM(args.model, drafter, name, block, cfg, args.dtype, target=target,
@@ -211,7 +215,11 @@ def cmd_analyze_theory(args) -> int:
 def register(sub) -> None:
     b = sub.add_parser("bench", help="tau, acceptance, TPOT and speedup per dataset x method, in one run")
     b.add_argument("--methods", default="ar,dflash,ngram",
-                   help="comma-separated; name@K sets K drafts per step (dflash@7 = block 8)")
+                   help="comma-separated; name@K sets K drafts per step (dflash@7 = block 8); dflash+lookup: "
+                        "prompt lookup assists the drafter (--lookup-min-match)")
+    b.add_argument("--lookup-min-match", type=int, default=4, metavar="N",
+                   help="for NAME+lookup methods: the repeated n-gram length at which prompt lookup's drafts replace "
+                        "the drafter's block")
     b.add_argument("--datasets", default=None, help="default gsm8k,math500,humaneval,mbpp,mt_bench")
     b.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 10)")
     b.add_argument("--max-new-tokens", type=int, default=None, help="default 256")

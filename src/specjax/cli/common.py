@@ -38,6 +38,13 @@ def engine_compile_cache(args) -> str | None:
     return None
 
 
+def add_lookup_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookup-min-match", type=int, default=None, metavar="N",
+                   help="prompt lookup assists a DFlash / EAGLE-3 drafter: a step whose context ends in an n-gram of "
+                        ">= N tokens seen before verifies what followed it instead of the drafter's block (0 = off; "
+                        "default: 4 for DFlash on a CPU, else off)")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model directory, .gguf file, or hub name ORG/NAME[@REVISION] (HF cache; HF_HUB_OFFLINE "
@@ -52,6 +59,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="drafts verified per step, <= block_size-1 (default: DFlash at a fixed K, 3 on CPU and "
                         "block_size-1 elsewhere; with adaptive K, the largest option)")
+    add_lookup_arg(p)
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output (tokens)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size (tokens)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],

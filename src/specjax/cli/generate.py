@@ -24,7 +24,7 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, args.drafter, args.method, args.block_size,
               EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=1,
-                           num_draft_tokens=args.num_draft_tokens,
+                           num_draft_tokens=args.num_draft_tokens, lookup_min_match=args.lookup_min_match,
                            adaptive_k=args.adaptive_k and args.method != "ar", program_cache=program_cache,
                            kv_cache_dtype=args.kv_cache_dtype),
               dtype=args.dtype, seed=args.seed or 0,
@@ -66,6 +66,8 @@ def cmd_generate(args) -> int:
         llm.method, f"{llm.method} (block {getattr(engine.proposer, 'block_size', '-')}, K={engine.num_draft})")
     if engine.controller is not None:
         desc += f", adaptive K in {engine.k_options}"
+    if engine.lookup_min_n:
+        desc += f", prompt lookup at >= {engine.lookup_min_n} tokens"
     if llm.target.quantized_kernels:
         desc += ", GGUF block kernels"
     lines = [f"--- {desc} | load {load_s:.1f}s | prompt {len(ids)} tok | {len(res.token_ids)} new tok "
@@ -80,6 +82,8 @@ def cmd_generate(args) -> int:
     if s.acceptance_lengths:
         lines.append(f"tau (mean acceptance length, bonus counted): {s.mean_acceptance_length:.2f} over "
                      f"{len(s.acceptance_lengths)} target forwards; drafts accepted {s.num_accepted}/{s.num_drafted}")
+        if s.lookup_steps:
+            lines.append(f"prompt lookup drafted {s.lookup_steps} of the {len(s.acceptance_lengths)} steps")
         if s.drafted_per_position:
             rates = [a / d for a, d in zip(s.accepted_per_position, s.drafted_per_position) if d]
             lines.append("per-position acceptance: " + " ".join(f"{r:.2f}" for r in rates))

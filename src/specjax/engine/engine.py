@@ -34,6 +34,7 @@ from specjax.model.attention import reads_pages_in_place
 from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages, stacks_pools
 from specjax.parallel import committed, kv_spec, mesh_size, replicate, to_global, to_host, zeros_like_tree
 from specjax.sampling import GREEDY, SamplingParams, sampler_mode
+from specjax.spec.lookup import LOOKUP_MAX_N, LookupIndex, lookup_min_n
 from specjax.spec.proposer import NoProposer
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class LLMEngine:
             raise ConfigError(f"num_draft_tokens={k} exceeds what {self.proposer.name} can draft "
                               f"({self.proposer.max_draft_tokens}; block_size - 1 for dflash)")
         self.num_draft = k
+        self.lookup_min_n = lookup_min_n(self.proposer, config.lookup_min_match, k)  # 0 = no prompt lookup
         options = config.k_options if config.k_options is not None else (0, k // 4, k // 2, k)
         if max(options) > k:
             raise ConfigError(f"k_options {options} exceed num_draft_tokens={k}")
@@ -579,7 +581,8 @@ class LLMEngine:
         start = np.zeros((rows,), np.int32)
         slots = np.full((rows, k + 1), -1, np.int32)
         num_drafts = np.zeros((rows,), np.int32)
-        host_drafts = np.zeros((rows, k), np.int32)
+        # a device proposer's step verifies the host's drafts instead of its own in the rows where they are >= 0
+        host_drafts = np.full((rows, k), 0 if not self.proposer.on_device else -1, np.int32)
         for i, seq in enumerate(seqs):
             bonus[i], start[i] = seq.output_ids[-1], seq.start
             slots[i] = self._slots(seq, seq.start + np.arange(k + 1))
@@ -589,6 +592,14 @@ class LLMEngine:
                 proposal = self.proposer.host_propose(seq.all_ids, int(num_drafts[i]))[: num_drafts[i]]
                 host_drafts[i, :len(proposal)] = proposal
                 num_drafts[i] = len(proposal)
+            elif self.lookup_min_n and num_drafts[i]:
+                if seq.lookup is None:
+                    seq.lookup = LookupIndex(self.lookup_min_n, max(self.lookup_min_n, LOOKUP_MAX_N))
+                seq.lookup.extend(seq.prompt_ids, seq.output_ids)
+                proposal = seq.lookup.propose(k)
+                if len(proposal) == k:  # a whole block, else the drafter's (a short one would waste its rows)
+                    host_drafts[i] = proposal
+                    seq.stats.lookup_steps += 1
         table = self._page_table(seqs, shape.batch, shape.pages)
         inputs = runner.DecodeBatch(bonus, start, slots, table, num_drafts, host_drafts)
         t0 = time.perf_counter()

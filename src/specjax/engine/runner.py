@@ -38,7 +38,7 @@ class DecodeBatch:
     slots: jax.Array  # [B, K + 1] KV slots of positions start .. start + K (-1 = beyond capacity / padding)
     page_table: jax.Array  # [B, Pg]
     num_drafts: jax.Array  # [B] drafts each sequence may accept (<= K)
-    host_drafts: jax.Array  # [B, K] drafts from a host proposer (ignored by device proposers)
+    host_drafts: jax.Array  # [B, K] drafts from a host proposer; with a device proposer, rows >= 0 replace its own
 
 
 @partial(jax.jit, static_argnames=("tcfg", "proposer", "mode"))
@@ -74,6 +74,7 @@ def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch
         drafts = jnp.zeros((inputs.bonus.shape[0], 0), jnp.int32)
     elif proposer.on_device:
         drafts = proposer.propose(pw, pstate, tw, inputs.bonus, inputs.start, inputs.page_table, num_draft)
+        drafts = jnp.where(inputs.host_drafts[:, :1] >= 0, inputs.host_drafts, drafts)  # prompt lookup's, if any
     else:
         drafts = inputs.host_drafts
     block = jnp.concatenate([inputs.bonus[:, None], drafts], axis=1)  # [B, K + 1]

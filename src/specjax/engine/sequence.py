@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from specjax.sampling import SamplingParams
 
@@ -23,6 +24,7 @@ class SequenceStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [k-1]: steps where draft k was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [k-1]: steps where draft k was proposed
     num_preemptions: int = 0
+    lookup_steps: int = 0  # decode steps whose drafts came from prompt lookup instead of the drafter
     program_wait_s: float = 0.0  # decode steps' time waiting for their step program (built or loaded meanwhile)
     draft_log: list[list[int]] | None = None  # drafts proposed at every step (engine record_drafts=True)
 
@@ -57,6 +59,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    lookup: Any = None  # spec/lookup.LookupIndex of the tokens so far, with EngineConfig.lookup_min_match
 
     @property
     def all_ids(self) -> list[int]:
