@@ -268,7 +268,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------------ programs
     def _step_args(self, shape: StepShape) -> tuple:
-        """Dummy inputs of a step shape (slots all -1: running them writes nothing)."""
+        """Dummy inputs of a step shape (slots all -1: running them writes nothing; a device proposer drafts, as
+        timing a warm-up run for the K controller's cost prior needs)."""
         b, n, pg = shape.batch, shape.n, shape.pages
         if shape.kind == "prefill":
             batch = ForwardBatch(np.zeros((b, n), np.int32), np.zeros((b, n), np.int32),
@@ -276,7 +277,7 @@ class LLMEngine:
             return batch, np.zeros(b, np.int32), np.zeros((b, n), np.int32), self._sampling([], b)
         zeros = np.zeros(b, np.int32)
         return (runner.DecodeBatch(zeros, zeros, np.full((b, n + 1), -1, np.int32), np.zeros((b, pg), np.int32),
-                                   zeros, np.zeros((b, n), np.int32)),
+                                   zeros, np.full((b, n), -1 if self.proposer.on_device else 0, np.int32)),
                 self._sampling([], b))
 
     def _build_program(self, shape: StepShape):

@@ -73,8 +73,12 @@ def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch
     if num_draft == 0:
         drafts = jnp.zeros((inputs.bonus.shape[0], 0), jnp.int32)
     elif proposer.on_device:
-        drafts = proposer.propose(pw, pstate, tw, inputs.bonus, inputs.start, inputs.page_table, num_draft)
-        drafts = jnp.where(inputs.host_drafts[:, :1] >= 0, inputs.host_drafts, drafts)  # prompt lookup's, if any
+        # prompt lookup's drafts where the host gave them (>= 0); the drafter runs only if some row needs it
+        looked_up = inputs.host_drafts[:, :1] >= 0
+        drafts = jax.lax.cond(
+            looked_up.all(), lambda: inputs.host_drafts,
+            lambda: jnp.where(looked_up, inputs.host_drafts, proposer.propose(
+                pw, pstate, tw, inputs.bonus, inputs.start, inputs.page_table, num_draft)))
     else:
         drafts = inputs.host_drafts
     block = jnp.concatenate([inputs.bonus[:, None], drafts], axis=1)  # [B, K + 1]
