@@ -25,12 +25,15 @@ def main() -> None:
     p.add_argument("--drafter", required=True)
     p.add_argument("--method", default="dflash", choices=["dflash", "eagle3"])
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--lookup-min-match", type=int, default=0,
+                   help="also the block-start tau with prompt lookup's drafts replacing the drafter's as the engine "
+                        "does at this minimum match (bench's NAME+lookup rows)")
     args = p.parse_args()
 
     from specjax.datasets import load_eval
     from specjax.drafter.loader import load_drafter
     from specjax.model.loader import load_model
-    from specjax.train.simtau import HeldOutSet
+    from specjax.train.simtau import HeldOutSet, block_start_tau, lookup_accepted
     from specjax.train.store import TokenStore
     from specjax.train.trainer import DFlashMethod, Eagle3Method
 
@@ -62,14 +65,25 @@ def main() -> None:
             for prompt, out in zip(prompts, ar[0]["outputs"]):
                 ids_ = target.tokenizer.encode_chat([{"role": "user", "content": prompt.turns[0]}])
                 store.append(prompt.id, dataset, ids_ + list(out), len(ids_), "length")
-            sim = HeldOutSet(served, store, method.tap_indices, method.sim_span, max_len=2048).evaluate(
-                method, params, consts)[dataset]
+            held = HeldOutSet(served, store, method.tap_indices, method.sim_span, max_len=2048)
+            sim = held.evaluate(method, params, consts)[dataset]
+            if args.lookup_min_match:
+                walks = held.accepted_per_anchor(method, params, consts)
+                seqs = list(store.sequences())
+                sim["tau_lookup"] = [block_start_tau(walks, k, [
+                    lookup_accepted(seqs[i][1], seqs[i][0]["prompt_len"], len(w), k, args.lookup_min_match)
+                    for i, w in zip(held.indices, walks)]) for k in range(1, len(sim["tau"]) + 1)]
         engine = {r["num_draft_tokens"]: r["tau"] for r in records
-                  if r["method"].startswith(args.method) and r["dataset"] == dataset}
+                  if r["method"].partition("@")[0] == args.method and r["dataset"] == dataset}
+        with_lookup = {r["num_draft_tokens"]: r["tau"] for r in records
+                       if r["method"].partition("@")[0] == args.method + "+lookup" and r["dataset"] == dataset}
         print(json.dumps({"dataset": dataset,
                           "simulated_tau": {k: round(sim["tau"][k - 1], 3) for k in sorted(engine)},
                           "block_start_tau": {k: round(sim["tau_block_start"][k - 1], 3) for k in sorted(engine)},
-                          "engine_tau": {k: round(v, 3) for k, v in sorted(engine.items())}}))
+                          "engine_tau": {k: round(v, 3) for k, v in sorted(engine.items())},
+                          **({"block_start_tau_lookup": {k: round(sim["tau_lookup"][k - 1], 3) for k in sorted(engine)},
+                              "engine_tau_lookup": {k: round(v, 3) for k, v in sorted(with_lookup.items())}}
+                             if args.lookup_min_match else {})}))
 
 
 if __name__ == "__main__":

@@ -261,6 +261,21 @@ def test_block_start_tau_walks_the_positions_a_greedy_engine_drafts_from():
     assert block_start_tau([accepted], 1) == 5 / 3
     # every-anchor mean would be 1 + mean(min(acc, 3)) = 1.6: block starts are not average positions
     assert block_start_tau([accepted, np.array([0, 0])], 3) == (3 + 2 + 1 + 1) / 4
+    # prompt lookup replacing the drafter where it proposes (>= 0): 0 accepted at 0 and 1 at 1, then the drafter's 1
+    # at 3: steps of 1, 2, 2 tokens
+    assert block_start_tau([accepted], 3, [np.array([0, 1, -1, -1, -1])]) == 5 / 3
+
+
+def test_lookup_accepted_counts_what_verification_of_lookups_drafts_would_keep():
+    from specjax.train.simtau import lookup_accepted
+
+    #         prompt | answer: anchors at positions 3..8 (the bonus token; its context is everything up to it)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 9, 5, 6]
+    # anchor 3 (context 1 2 3 9): no earlier 9 -> -1; anchor 4 (...9 1): "1" seen at 0, proposes 2 3 9 = truth 2 3 9
+    # -> 3; anchor 5 ("1 2" at 0-1): 3 9 1 vs truth 3 9 5 -> 2; anchor 6: 9 1 2 vs 9 5 6 -> 1; anchor 7 ("9" at 3):
+    # 1 2 3 vs 5 6 -> 0; anchor 8: no earlier 5 -> -1
+    assert list(lookup_accepted(tokens, 3, 6, 3, 1)) == [-1, 3, 2, 1, 0, -1]
+    assert list(lookup_accepted(tokens, 3, 6, 3, 2)) == [-1, -1, 2, 1, 0, -1]  # "9 1" / "1 2 3" / "2 3 9" repeat
 
 
 def test_grown_drafter_drafts_as_the_old_one_and_its_new_layer_trains(setup, tmp_path):

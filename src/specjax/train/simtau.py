@@ -50,6 +50,7 @@ class HeldOutSet:
         anchors = np.zeros((total, num), np.int32)
         keep = np.zeros((total, num), bool)
         self.sources = [rec["source"] for _, rec, _, _ in seqs] + [None] * (total - len(seqs))
+        self.indices = [index for index, *_ in seqs]  # the store's sequences evaluated (those with a full block)
         for r, (_, rec, toks, valid) in enumerate(seqs):
             tokens[r, :len(toks)] = toks
             mask[r, rec["prompt_len"]:len(toks)] = True
@@ -97,18 +98,38 @@ class HeldOutSet:
         return out
 
 
-def block_start_tau(walks: list[np.ndarray], k: int) -> float:
+def block_start_tau(walks: list[np.ndarray], k: int, instead: list[np.ndarray] | None = None) -> float:
     """tau(K) over the anchors a greedy engine visits: start at each answer's first position, then jump past every
     accepted run and its bonus token.  Block starts follow rejections more often than an average position does,
-    so this reads lower than the every-anchor mean (and matches the engine's tau to ~2%, docs/results/training.md)."""
+    so this reads lower than the every-anchor mean (and matches the engine's tau to ~2%, docs/results/training.md).
+    `instead[s][i] >= 0`: the drafts accepted at that anchor from another source that replaces the drafter's there
+    (prompt lookup, `lookup_accepted`)."""
     steps = []
-    for accepted in walks:  # accepted[i]: drafts accepted at the i-th answer position
+    for s, accepted in enumerate(walks):  # accepted[i]: drafts accepted at the i-th answer position
         i = 0
         while i < len(accepted):
-            n = min(int(accepted[i]), k)
+            other = -1 if instead is None else int(instead[s][i])
+            n = min(int(accepted[i]) if other < 0 else other, k)
             steps.append(1 + n)
             i += 1 + n
     return float(np.mean(steps)) if steps else 0.0
+
+
+def lookup_accepted(tokens, prompt_len: int, num_anchors: int, k: int, min_match: int) -> np.ndarray:
+    """Per answer position (anchor), the drafts prompt lookup would get accepted there as the engine uses it
+    (EngineConfig.lookup_min_match: K tokens after a repeated n-gram of >= min_match), or -1 where it proposes none."""
+    from specjax.spec.lookup import LOOKUP_MAX_N, LookupIndex
+
+    tokens = [int(t) for t in tokens]
+    index, out = LookupIndex(min_match, max(min_match, LOOKUP_MAX_N)), np.full(num_anchors, -1)
+    for i in range(num_anchors):
+        anchor = prompt_len + i  # the bonus token's position: the context is tokens[:anchor + 1]
+        index.extend(tokens[:prompt_len], tokens[prompt_len:anchor + 1])
+        proposal = index.propose(k)
+        if len(proposal) == k:
+            truth = tokens[anchor + 1:anchor + 1 + k]
+            out[i] = next((j for j, (a, b) in enumerate(zip(proposal, truth)) if a != b), min(k, len(truth)))
+    return out
 
 
 def read_sim_curve(log_path: str) -> list[tuple[float, dict]]:
