@@ -98,8 +98,9 @@ CPU_LOOKUP_MIN_MATCH = 4
 
 def default_lookup_min_match(platform: str) -> int:
     """The repeated n-gram length at which prompt lookup's drafts stand in for a DFlash drafter's block when none is
-    asked for.  On a CPU at K = 2-3 it raised tau by 0.00-0.29 and speed by 1.00-1.23x on the five bench datasets
-    (docs/results/bench.md, session 52; chosen on held-out answers by simulation: 3 and 4 tie, 4 never loses);
+    asked for.  On a CPU at K = 3 it raised tau by 0.00-0.29 and DFlash's speed 1.02-1.22x on the five bench
+    datasets in two runs (docs/results/bench.md, session 52; chosen on held-out answers by simulation: 3 and 4 tie,
+    4 lost nothing on the bench prompts);
     elsewhere the drafter's whole block is verified and lookup is unmeasured: off."""
     return CPU_LOOKUP_MIN_MATCH if platform == "cpu" else 0
 

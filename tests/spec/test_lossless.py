@@ -18,6 +18,7 @@ from specjax.drafter.loader import drafter_config_for, init_drafter
 from specjax.engine.engine import LLMEngine
 from specjax.model.loader import load_model
 from specjax.sampling import SamplingParams
+from specjax.spec.lookup import LOOKUP_MAX_N
 from specjax.spec.proposer import DFlashProposer, HostProposer, NgramProposer, NoProposer
 from specjax.spec.reference import dflash_reference_proposer, reference_generate
 from tests.helpers import random_prompt
@@ -116,7 +117,7 @@ def test_dflash_with_prompt_lookup_equals_plain_decoding(setup, ar_greedy):
     lookups = sum(s.stats.lookup_steps for s in seqs)
     assert 0 < lookups < sum(len(s.stats.acceptance_lengths) for s in seqs)
     # the verified drafts were lookup's: what followed the latest earlier match of the context's last tokens
-    lookup = NgramProposer(max_draft_tokens=7, min_n=1, max_n=8)
+    lookup = NgramProposer(max_draft_tokens=7, min_n=1, max_n=LOOKUP_MAX_N)
     hits = 0
     for seq, prompt in zip(seqs, prompts):
         ids, pos = list(prompt), 0

@@ -34,7 +34,7 @@ from specjax.model.attention import reads_pages_in_place
 from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages, stacks_pools
 from specjax.parallel import committed, kv_spec, mesh_size, replicate, to_global, to_host, zeros_like_tree
 from specjax.sampling import GREEDY, SamplingParams, sampler_mode
-from specjax.spec.lookup import LOOKUP_MAX_N, LookupIndex, lookup_min_n
+from specjax.spec.lookup import LookupIndex, lookup_min_n
 from specjax.spec.proposer import NoProposer
 
 log = logging.getLogger(__name__)
@@ -595,12 +595,14 @@ class LLMEngine:
                 num_drafts[i] = len(proposal)
             elif self.lookup_min_n and num_drafts[i]:
                 if seq.lookup is None:
-                    seq.lookup = LookupIndex(self.lookup_min_n, max(self.lookup_min_n, LOOKUP_MAX_N))
+                    seq.lookup = LookupIndex(self.lookup_min_n)
                 seq.lookup.extend(seq.prompt_ids, seq.output_ids)
                 proposal = seq.lookup.propose(k)
                 if len(proposal) == k:  # a whole block, else the drafter's (a short one would waste its rows)
                     host_drafts[i] = proposal
                     seq.stats.lookup_steps += 1
+        if self.proposer.on_device:
+            host_drafts[len(seqs):] = 0  # padding rows need no drafter: a step of looked-up rows skips it
         table = self._page_table(seqs, shape.batch, shape.pages)
         inputs = runner.DecodeBatch(bonus, start, slots, table, num_drafts, host_drafts)
         t0 = time.perf_counter()

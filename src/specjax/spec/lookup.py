@@ -5,21 +5,21 @@ tokens that followed that earlier occurrence instead of the drafter's block (Eng
 index answers what `NgramProposer(min_n, max_n).host_propose` answers (the most recent occurrence of the longest
 suffix n-gram, n from max_n down to min_n) in time independent of the sequence's length: NgramProposer scans the
 whole sequence once per n (~0.2-0.4 ms a step at 100-1200 tokens, most of a round's host time), this looks up one
-dict per n (tests/spec/test_lossless.py checks the engine's drafts against NgramProposer).
+dict per n (tests/spec/test_ngram.py checks the two agree, test_lossless.py the engine's drafts against it).
 """
 
 from __future__ import annotations
 
-LOOKUP_MAX_N = 8  # the longest suffix n-gram looked up (a longer match picks among occurrences no better)
+LOOKUP_MAX_N = 8  # the longest suffix n-gram compared: of the occurrences matching this far, the latest is taken
 
 
 class LookupIndex:
     """The latest end position of every n-gram (min_n <= n <= max_n) of a growing token sequence."""
 
-    def __init__(self, min_n: int, max_n: int):
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(self, min_n: int, max_n: int | None = None):
+        self.min_n, self.max_n = min_n, max(min_n, LOOKUP_MAX_N) if max_n is None else max_n
         self.tokens: list[int] = []
-        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n - min_n + 1)]
+        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_n - min_n + 1)]
         self.indexed = 0  # n-grams ending before this position are in `latest`
 
     def extend(self, prompt_ids: list[int], output_ids: list[int]) -> None:

@@ -118,10 +118,10 @@ def block_start_tau(walks: list[np.ndarray], k: int, instead: list[np.ndarray] |
 def lookup_accepted(tokens, prompt_len: int, num_anchors: int, k: int, min_match: int) -> np.ndarray:
     """Per answer position (anchor), the drafts prompt lookup would get accepted there as the engine uses it
     (EngineConfig.lookup_min_match: K tokens after a repeated n-gram of >= min_match), or -1 where it proposes none."""
-    from specjax.spec.lookup import LOOKUP_MAX_N, LookupIndex
+    from specjax.spec.lookup import LookupIndex
 
     tokens = [int(t) for t in tokens]
-    index, out = LookupIndex(min_match, max(min_match, LOOKUP_MAX_N)), np.full(num_anchors, -1)
+    index, out = LookupIndex(min_match), np.full(num_anchors, -1)
     for i in range(num_anchors):
         anchor = prompt_len + i  # the bonus token's position: the context is tokens[:anchor + 1]
         index.extend(tokens[:prompt_len], tokens[prompt_len:anchor + 1])
