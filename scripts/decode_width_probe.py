@@ -34,7 +34,7 @@ def main() -> None:
                 pos = CACHED + np.arange(k + 1)
                 slots = (table[:, pos // z] * z + pos % z).astype(np.int32)
                 inputs = runner.DecodeBatch(np.full(b, 5, np.int32), np.full(b, CACHED, np.int32), slots, table,
-                                            np.full(b, k, np.int32), np.full((b, k), -1, np.int32))
+                                            np.full(b, k, np.int32), np.zeros((b, k), np.int32))
                 t0 = time.perf_counter()
                 jax.block_until_ready(engine._run(s, programs[s], inputs, engine._sampling([], b)))
                 times[s].append(time.perf_counter() - t0)

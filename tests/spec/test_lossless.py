@@ -124,20 +124,24 @@ def test_dflash_with_prompt_lookup_equals_plain_decoding(setup, ar_greedy):
         for drafts, tau in zip(seq.stats.draft_log, seq.stats.acceptance_lengths):
             ids.append(seq.output_ids[pos])
             proposal = lookup.host_propose(ids, 7)
-            hits += len(proposal) == 7 and drafts == proposal[:len(drafts)]  # the log keeps the drafts it may accept
+            # the log keeps the drafts a step may accept (none at the last token: no lookup there either)
+            hits += len(drafts) > 0 and len(proposal) == 7 and drafts == proposal[:len(drafts)]
             ids += seq.output_ids[pos + 1:pos + tau]
             pos += tau
     assert hits == lookups
 
 
-def test_dflash_tiny_page_pool_preempts_and_stays_lossless(setup, ar_greedy):
+@pytest.mark.parametrize("lookup", [0, 1])
+def test_dflash_tiny_page_pool_preempts_and_stays_lossless(setup, ar_greedy, lookup):
     target, dcfg, dweights, prompts = setup
     outs, params = ar_greedy
-    # 2-token pages; 50 pages hold ~1 full-length sequence: requests must be preempted and recomputed.
-    config = EngineConfig(page_size=2, num_pages=50, max_model_len=MAX_LEN, max_num_seqs=4)
+    # 2-token pages; 50 pages hold ~1 full-length sequence: requests must be preempted and recomputed (with prompt
+    # lookup too: a preempted sequence keeps its n-gram index, its tokens only grow)
+    config = EngineConfig(page_size=2, num_pages=50, max_model_len=MAX_LEN, max_num_seqs=4, lookup_min_match=lookup)
     seqs, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params, config)
     assert [s.output_ids for s in seqs] == outs
     assert sum(s.stats.num_preemptions for s in seqs) >= 1
+    assert (sum(s.stats.lookup_steps for s in seqs) > 0) == bool(lookup)
 
 
 def test_engine_drafts_equal_reference_loop(setup, ar_greedy):

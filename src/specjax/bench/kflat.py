@@ -82,7 +82,7 @@ def verify_steps(tcfg, tweights, qs, context_len: int, batch: int = 1, page_size
         slots = (table[:, positions // page_size] * page_size + positions % page_size).astype(np.int32)
         inputs = runner.DecodeBatch(jnp.zeros(batch, jnp.int32), jnp.full(batch, context_len, jnp.int32),
                                     jnp.asarray(slots), jnp.asarray(table), jnp.full(batch, k, jnp.int32),
-                                    jnp.full((batch, k), -1, jnp.int32))  # no lookup drafts: the proposer's
+                                    jnp.zeros((batch, k), jnp.int32))
 
         def step():
             out = runner.decode_step(tweights, state["kv"], pweights, state["p"], inputs, sampling, tcfg=tcfg,

@@ -50,8 +50,9 @@ def cmd_bench(args) -> int:
     for spec in methods:  # "name[+lookup][@K]" (K drafts per step; for dflash a block of --block-size, else K + 1)
         name, _, k = spec.partition("@")
         name, _, assist = name.partition("+")
-        if assist and (assist != "lookup" or name not in ("dflash", "eagle3")):
-            raise ConfigError(f"bench method {spec!r}: only dflash+lookup and eagle3+lookup combine methods")
+        if assist and (assist != "lookup" or name not in ("dflash", "eagle3") or args.lookup_min_match < 1):
+            raise ConfigError(f"bench method {spec!r}: only dflash+lookup and eagle3+lookup combine methods, with "
+                              f"--lookup-min-match >= 1 (got {args.lookup_min_match})")
         k = int(k) if k else (args.num_draft_tokens if name != "ar" else None)
         block = (args.block_size or k + 1) if (name == "dflash" and "@" in spec) else args.block_size
         cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=k,

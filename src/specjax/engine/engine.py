@@ -268,8 +268,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------------ programs
     def _step_args(self, shape: StepShape) -> tuple:
-        """Dummy inputs of a step shape (slots all -1: running them writes nothing; a device proposer drafts, as
-        timing a warm-up run for the K controller's cost prior needs)."""
+        """Dummy inputs of a step shape (slots all -1: running them writes nothing; beside prompt lookup the
+        proposer drafts, as timing a warm-up run for the K controller's cost prior needs)."""
         b, n, pg = shape.batch, shape.n, shape.pages
         if shape.kind == "prefill":
             batch = ForwardBatch(np.zeros((b, n), np.int32), np.zeros((b, n), np.int32),
@@ -277,7 +277,7 @@ class LLMEngine:
             return batch, np.zeros(b, np.int32), np.zeros((b, n), np.int32), self._sampling([], b)
         zeros = np.zeros(b, np.int32)
         return (runner.DecodeBatch(zeros, zeros, np.full((b, n + 1), -1, np.int32), np.zeros((b, pg), np.int32),
-                                   zeros, np.full((b, n), -1 if self.proposer.on_device else 0, np.int32)),
+                                   zeros, np.full((b, n), -1 if self.lookup_min_n else 0, np.int32)),
                 self._sampling([], b))
 
     def _build_program(self, shape: StepShape):
@@ -292,7 +292,8 @@ class LLMEngine:
             _, rows, prows = step.out_info
             slots = pslots = args[0].slots
         else:
-            static = dict(tcfg=self.tcfg, proposer=self.proposer, num_draft=shape.n, mode=shape.mode)
+            static = dict(tcfg=self.tcfg, proposer=self.proposer, num_draft=shape.n, mode=shape.mode,
+                          lookup=bool(self.lookup_min_n))
             step = self._compile(runner.decode_step, (*state, *args), static)
             rows, prows, pslots = step.out_info[3:]
             slots = args[0].slots
@@ -582,8 +583,8 @@ class LLMEngine:
         start = np.zeros((rows,), np.int32)
         slots = np.full((rows, k + 1), -1, np.int32)
         num_drafts = np.zeros((rows,), np.int32)
-        # a device proposer's step verifies the host's drafts instead of its own in the rows where they are >= 0
-        host_drafts = np.full((rows, k), 0 if not self.proposer.on_device else -1, np.int32)
+        host_drafts = np.zeros((rows, k), np.int32)  # beside prompt lookup: -1 = the drafter's block (decode_step)
+        looked_up = np.zeros((rows,), bool)
         for i, seq in enumerate(seqs):
             bonus[i], start[i] = seq.output_ids[-1], seq.start
             slots[i] = self._slots(seq, seq.start + np.arange(k + 1))
@@ -599,10 +600,10 @@ class LLMEngine:
                 seq.lookup.extend(seq.prompt_ids, seq.output_ids)
                 proposal = seq.lookup.propose(k)
                 if len(proposal) == k:  # a whole block, else the drafter's (a short one would waste its rows)
-                    host_drafts[i] = proposal
+                    host_drafts[i], looked_up[i] = proposal, True
                     seq.stats.lookup_steps += 1
-        if self.proposer.on_device:
-            host_drafts[len(seqs):] = 0  # padding rows need no drafter: a step of looked-up rows skips it
+                else:
+                    host_drafts[i] = -1
         table = self._page_table(seqs, shape.batch, shape.pages)
         inputs = runner.DecodeBatch(bonus, start, slots, table, num_drafts, host_drafts)
         t0 = time.perf_counter()
@@ -617,7 +618,7 @@ class LLMEngine:
         for i, seq in enumerate(seqs):
             a = int(num_accepted[i])
             seq.stats.record(int(num_drafts[i]), a)
-            if self.controller is not None and num_drafts[i] == k:
+            if self.controller is not None and num_drafts[i] == k and not looked_up[i]:  # the drafter's acceptance
                 self.controller.record_acceptance(k, a)
             if seq.stats.draft_log is not None:
                 seq.stats.draft_log.append([int(d) for d in drafts[i, :num_drafts[i]]])
@@ -657,4 +658,5 @@ class LLMEngine:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
+        seq.lookup = None  # its n-gram index (~0.7 KB a token)
         self.allocator.free(seq.seq_id)

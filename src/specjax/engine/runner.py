@@ -38,7 +38,7 @@ class DecodeBatch:
     slots: jax.Array  # [B, K + 1] KV slots of positions start .. start + K (-1 = beyond capacity / padding)
     page_table: jax.Array  # [B, Pg]
     num_drafts: jax.Array  # [B] drafts each sequence may accept (<= K)
-    host_drafts: jax.Array  # [B, K] drafts from a host proposer; with a device proposer, rows >= 0 replace its own
+    host_drafts: jax.Array  # [B, K] drafts from a host proposer, or prompt lookup's beside a device one (decode_step)
 
 
 @partial(jax.jit, static_argnames=("tcfg", "proposer", "mode"))
@@ -61,10 +61,11 @@ def prefill_step(tw, kv, pw, pstate, batch: tgt.ForwardBatch, last_index, next_t
     return tokens[:, 0], rows, proposer.observe(pw, taps, batch.positions, next_tokens)
 
 
-@partial(jax.jit, static_argnames=("tcfg", "proposer", "num_draft", "mode"))
+@partial(jax.jit, static_argnames=("tcfg", "proposer", "num_draft", "mode", "lookup"))
 def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch, *, tcfg: ModelConfig,
-                proposer, num_draft: int, mode: str):
-    """One speculative step for the whole batch.
+                proposer, num_draft: int, mode: str, lookup: bool = False):
+    """One speculative step for the whole batch.  `lookup` (a device proposer beside prompt lookup): rows of
+    inputs.host_drafts >= 0 are verified instead of the proposer's drafts, which are computed only if a row is -1.
 
     Returns (num_accepted [B], tokens [B, K+1], drafts [B, K], target rows, proposer rows, proposer slots); the
     step commits tokens[:, :num_accepted + 1].  Target rows go to inputs.slots (rows past the accepted length
@@ -72,13 +73,14 @@ def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch
     """
     if num_draft == 0:
         drafts = jnp.zeros((inputs.bonus.shape[0], 0), jnp.int32)
-    elif proposer.on_device:
-        # prompt lookup's drafts where the host gave them (>= 0); the drafter runs only if some row needs it
+    elif proposer.on_device and lookup:
         looked_up = inputs.host_drafts[:, :1] >= 0
         drafts = jax.lax.cond(
             looked_up.all(), lambda: inputs.host_drafts,
             lambda: jnp.where(looked_up, inputs.host_drafts, proposer.propose(
                 pw, pstate, tw, inputs.bonus, inputs.start, inputs.page_table, num_draft)))
+    elif proposer.on_device:
+        drafts = proposer.propose(pw, pstate, tw, inputs.bonus, inputs.start, inputs.page_table, num_draft)
     else:
         drafts = inputs.host_drafts
     block = jnp.concatenate([inputs.bonus[:, None], drafts], axis=1)  # [B, K + 1]
