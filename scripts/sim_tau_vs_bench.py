@@ -66,9 +66,9 @@ def main() -> None:
                 ids_ = target.tokenizer.encode_chat([{"role": "user", "content": prompt.turns[0]}])
                 store.append(prompt.id, dataset, ids_ + list(out), len(ids_), "length")
             held = HeldOutSet(served, store, method.tap_indices, method.sim_span, max_len=2048)
-            sim = held.evaluate(method, params, consts)[dataset]
+            walks = held.accepted_per_anchor(method, params, consts)
+            sim = held.evaluate(method, params, consts, walks)[dataset]
             if args.lookup_min_match:
-                walks = held.accepted_per_anchor(method, params, consts)
                 seqs = list(store.sequences())
                 sim["tau_lookup"] = [block_start_tau(walks, k, [
                     lookup_accepted(seqs[i][1], seqs[i][0]["prompt_len"], len(w), k, args.lookup_min_match)

@@ -78,13 +78,15 @@ class HeldOutSet:
                     if self.sources[c * accepted.shape[0] + r] is not None]
         return out
 
-    def evaluate(self, method, params, consts) -> dict:
+    def evaluate(self, method, params, consts, walks: list[np.ndarray] | None = None) -> dict:
         """{source: {"tau": [tau(K) for K = 1..Q-1], "tau_block_start": [...], "anchors": n}} plus "all" over
         every source.  "tau" averages over every anchor; "tau_block_start" only over the anchors the engine visits
-        (`block_start_tau`), which is what `specjax bench` measures."""
+        (`block_start_tau`), which is what `specjax bench` measures.  `walks`: accepted_per_anchor's result, if
+        the caller has it already."""
         per_source: dict[str, list[np.ndarray]] = {}
         live = [s for s in self.sources if s is not None]
-        for source, acc in zip(live, self.accepted_per_anchor(method, params, consts)):
+        walks = self.accepted_per_anchor(method, params, consts) if walks is None else walks
+        for source, acc in zip(live, walks):
             per_source.setdefault(source, []).append(acc)
             per_source.setdefault("all", []).append(acc)
         ks = np.arange(1, self.block_size)
