@@ -15,7 +15,9 @@ def test_proposes_what_followed_the_most_recent_longest_match():
     assert p.host_propose(tokens, 3) == [2, 5, 6]  # "5 6 7" last seen at 4..6, followed by 2 5 6
     assert p.host_propose([1, 2, 3, 9, 9, 3], 2) == [9, 9]  # falls back to n = 1 ("3" at index 2)
     assert p.host_propose([1, 2, 3, 4], 2) == []  # no earlier occurrence
-    assert p.host_propose([4, 4], 3) == [4]  # cannot run past the end
+    assert p.host_propose([4, 4], 3) == [4, 4, 4]  # a copy that runs into the end repeats its period
+    assert p.host_propose([1, 7, 8, 7, 8], 3) == [7, 8, 7]  # "7 8" at 1..2: "7 8", then that copy again
+    assert p.host_propose([7, 8, 9, 7, 8], 4) == [9, 7, 8, 9]
     assert NgramProposer(max_draft_tokens=2, min_n=2, max_n=2).host_propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]
 
 

@@ -2,9 +2,9 @@
 
 A DFlash (or EAGLE-3) step whose context ends in an n-gram of at least `min_n` tokens seen before verifies the K
 tokens that followed that earlier occurrence instead of the drafter's block (EngineConfig.lookup_min_match).  The
-index answers what `NgramProposer(min_n, max_n).host_propose` answers (the most recent occurrence of the longest
-suffix n-gram, n from max_n down to min_n) in amortized time independent of the sequence's length (the first
-call indexes the prompt: ~8 ms for 2,000 tokens; ~0.7 KB a token, dropped when the sequence finishes):
+index answers what `NgramProposer(min_n, max_n).host_propose` answers (what followed the most recent occurrence of
+the longest suffix n-gram, n from max_n down to min_n; `copy_after`) in amortized time independent of the sequence's
+length (the first call indexes the prompt: ~8 ms for 2,000 tokens; ~0.7 KB a token, dropped when the sequence finishes):
 NgramProposer scans the whole sequence once per n (~0.2-0.4 ms a step at 100-1200 tokens, most of a round's host
 time), this looks up one dict per n (tests/spec/test_ngram.py checks the two agree, test_lossless.py the engine's
 drafts against it).
@@ -43,8 +43,15 @@ class LookupIndex:
         for n in range(min(self.max_n, last), self.min_n - 1, -1):
             end = self.latest[n - self.min_n].get(tuple(t[last + 1 - n:]))
             if end is not None:
-                return t[end + 1:end + 1 + k]
+                return copy_after(t, end + 1, k)
         return []
+
+
+def copy_after(tokens, start: int, k: int) -> list[int]:
+    """k tokens copied from `start` on; a copy that reaches the end (an n-gram repeating with a period shorter than
+    k, e.g. a run of one token) goes on repeating that period, as the text would if the repeat continued."""
+    period = len(tokens) - start  # >= 1: a match always ends before the sequence's last token
+    return [int(tokens[start + i % period]) for i in range(k)]
 
 
 def lookup_min_n(proposer, min_match: int | None, num_draft: int) -> int:

@@ -35,6 +35,7 @@ from specjax.drafter.eagle3 import Eagle3Config
 from specjax.model.attention import reads_pages_in_place
 from specjax.model.stack import stack_layers, stackable
 from specjax.model.target import init_kv_pages
+from specjax.spec.lookup import copy_after
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,9 @@ class HostProposer:
 @dataclass(frozen=True)
 class NgramProposer(HostProposer):
     """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n from max_n down to min_n)
-    in prompt + output and propose the tokens that followed it.  Pure host work on token ids; the only device
-    sync per step is the one verification already needs."""
+    in prompt + output and propose the tokens that followed it (a repeat shorter than K continued,
+    `spec.lookup.copy_after`).  Pure host work on token ids; the only device sync per step is the one
+    verification already needs."""
 
     max_draft_tokens: int = 4
     min_n: int = 1
@@ -165,8 +167,7 @@ class NgramProposer(HostProposer):
             windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # every earlier n-gram
             hits = np.nonzero((windows == ids[-n:]).all(axis=1))[0]
             if len(hits):
-                start = int(hits[-1]) + n  # the most recent match; propose what followed it
-                return [int(t) for t in ids[start:start + k]]
+                return copy_after(ids, int(hits[-1]) + n, k)  # the most recent match: what followed it
         return []
 
 
