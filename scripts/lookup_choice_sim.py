@@ -38,7 +38,57 @@ def lookup_match(tokens: list[int], upto: int, k: int, max_n: int = 8, cyclic: b
     return 0, []
 
 
-def collect(target, served, method, params, consts, store, k: int, cyclic: bool = False):
+class StoreIndex:
+    """Every n-gram (n in ns) of a token store's sequences, as sorted 64-bit rolling hashes with their end positions:
+    the continuations of a context's suffix n-gram across the whole store (retrieval drafting, as REST)."""
+
+    SEP = 65535  # between sequences: no n-gram or continuation of a real context contains it
+
+    def __init__(self, store, ns=(2, 3, 4, 5, 6, 7, 8)):
+        parts = []
+        for _, toks in store.sequences():
+            parts += [np.asarray(toks, np.uint64), np.full(8, self.SEP, np.uint64)]
+        self.t = np.concatenate(parts)
+        self.ns, self.sorted, self.ends = ns, {}, {}
+        h = self.t.copy()
+        with np.errstate(over="ignore"):
+            for n in range(2, max(ns) + 1):
+                nh = np.full_like(h, np.uint64(2 ** 64 - 1))
+                nh[n - 1:] = h[n - 2:-1] * np.uint64(1000003) + self.t[n - 1:]
+                h = nh
+                if n in ns:
+                    order = np.argsort(h, kind="stable")
+                    self.sorted[n], self.ends[n] = h[order], order
+        self.t = self.t.astype(np.int64)
+
+    def hash(self, ctx):
+        h = np.uint64(ctx[0])
+        with np.errstate(over="ignore"):
+            for x in ctx[1:]:
+                h = h * np.uint64(1000003) + np.uint64(x)
+        return h
+
+    def query(self, ctx: list[int], k: int):
+        """(n, occurrences, most frequent k-token continuation, its share) of the longest suffix n-gram found."""
+        for n in sorted(self.ns, reverse=True):
+            if len(ctx) < n:
+                continue
+            h = self.hash(ctx[-n:])
+            lo, hi = np.searchsorted(self.sorted[n], h, "left"), np.searchsorted(self.sorted[n], h, "right")
+            if hi == lo:
+                continue
+            ends = self.ends[n][lo:hi][-4096:]
+            cont = self.t[ends[:, None] + 1 + np.arange(k)[None, :]]
+            cont = cont[(cont != self.SEP).all(1)]
+            if not len(cont):
+                continue
+            rows, counts = np.unique(cont, axis=0, return_counts=True)
+            best = int(counts.argmax())
+            return n, int(hi - lo), [int(x) for x in rows[best]], float(counts[best] / counts.sum())
+        return 0, 0, [], 0.0
+
+
+def collect(target, served, method, params, consts, store, k: int, cyclic: bool = False, index=None):
     """Per sequence: dict of per-anchor arrays (drafter accepted, max probs, lookup n / accepted / drafter probs)."""
     from specjax.train.objective import block_logits
     from specjax.train.simtau import HeldOutSet
@@ -74,6 +124,8 @@ def collect(target, served, method, params, consts, store, k: int, cyclic: bool 
             look_q = np.zeros((n_anchor, k))
             t2d_ = np.asarray(t2d)
             dacc = np.zeros(n_anchor, np.int32)
+            st = {"store_n": np.zeros(n_anchor, np.int32), "store_cnt": np.zeros(n_anchor, np.int32),
+                  "store_share": np.zeros(n_anchor), "store_acc": np.full(n_anchor, -1)}
             for i in range(n_anchor):
                 a = pl + i
                 truth = toks[a + 1:a + 1 + k]
@@ -86,21 +138,32 @@ def collect(target, served, method, params, consts, store, k: int, cyclic: bool 
                 if n and len(prop) == k:
                     look_acc[i] = next((s for s, (x, y) in enumerate(zip(prop, truth)) if x != y), min(k, len(truth)))
                     look_q[i] = [p[i, s, t2d_[t]] if t2d_[t] >= 0 else 0.0 for s, t in enumerate(prop)]
+                if index is not None:
+                    n, cnt, prop, share = index.query(toks[:a + 1], k)
+                    if n:
+                        st["store_n"][i], st["store_cnt"][i], st["store_share"][i] = n, cnt, share
+                        st["store_acc"][i] = next((s for s, (x, y) in enumerate(zip(prop, truth)) if x != y),
+                                                  min(k, len(truth)))
             out.append({"source": held.sources[j], "dacc": dacc, "maxp": maxp, "look_n": look_n,
-                        "look_acc": look_acc, "look_q": look_q})
+                        "look_acc": look_acc, "look_q": look_q, **st})
     return out
 
 
 def walk_tau(seqs, choose, k: int) -> dict:
-    """Block-start tau per source and over all, when `choose(seq, i)` says lookup (True) or the drafter."""
+    """Block-start tau per source and over all, and the share of steps not drafted by the drafter, when
+    `choose(seq, i)` names the block verified at anchor i: True / "look_acc" (prompt lookup), "store_acc" (the store's
+    continuation) or False / "dacc" (the drafter; also wherever the named source proposes nothing)."""
     steps = {}
     for s in seqs:
         i = 0
         while i < len(s["dacc"]):
-            use = s["look_acc"][i] >= 0 and choose(s, i)
-            n = min(int(s["look_acc"][i] if use else s["dacc"][i]), k)
-            steps.setdefault(s["source"], []).append((1 + n, use))
-            steps.setdefault("all", []).append((1 + n, use))
+            key = choose(s, i)
+            key = {True: "look_acc", False: "dacc"}.get(key, key)
+            if s[key][i] < 0:
+                key = "dacc"
+            n = min(int(s[key][i]), k)
+            for src in (s["source"], "all"):
+                steps.setdefault(src, []).append((1 + n, key != "dacc"))
             i += 1 + n
     return {src: (round(float(np.mean([a for a, _ in v])), 4), round(float(np.mean([u for _, u in v])), 3))
             for src, v in steps.items()}
@@ -111,26 +174,37 @@ def expected(q) -> float:
     return float(np.cumprod(q).sum())
 
 
-def rules(k: int) -> dict:
+def rules(k: int, with_store: bool) -> dict:
     r = {"drafter": lambda s, i: False,
          "oracle": lambda s, i: s["look_acc"][i] > min(s["dacc"][i], k)}
-    for m in (1, 2, 3, 4, 5, 6):
+    for m in (3, 4, 5):
         r[f"n>={m}"] = (lambda m: lambda s, i: s["look_n"][i] >= m)(m)
     # lookup when its tokens' expected acceptance (under a prior of lookup being right, mixed with the drafter's own
     # probabilities of those tokens) beats the drafter's expected acceptance from its max probabilities
-    for m in (1, 2, 3):
-        for prior in (0.3, 0.5, 0.7, 0.8, 0.9):
+    for m in (2, 3):
+        for prior in (0.5, 0.7, 0.8):
             def f(s, i, m=m, prior=prior):
                 if s["look_n"][i] < m:
                     return False
                 q = 1 - (1 - prior) * (1 - s["look_q"][i])
                 return expected(q) > expected(s["maxp"][i])
             r[f"mix n>={m} prior={prior}"] = f
-    for m in (1, 2, 3, 4):
-        for t in (0.3, 0.5, 0.7, 0.9):
-            r[f"n>={m} & p1<{t}"] = (lambda m, t: lambda s, i: s["look_n"][i] >= m and s["maxp"][i][0] < t)(m, t)
+    for m in (3, 4):
+        for t in (0.5, 0.7, 0.9):
             r[f"n>={m} & E<{t * k:.1f}"] = (lambda m, t: lambda s, i: s["look_n"][i] >= m
                                             and expected(s["maxp"][i]) < t * k)(m, t)
+    if with_store:
+        r["oracle3"] = lambda s, i: max(("dacc", "look_acc", "store_acc"), key=lambda key: min(s[key][i], k))
+        r["oracle store"] = lambda s, i: "store_acc" if s["store_acc"][i] > min(s["dacc"][i], k) else "dacc"
+        for m in (4, 5, 6, 8):
+            for c in (1, 3, 10):
+                for share in (0.0, 0.5, 0.8):
+                    def g(s, i, m=m, c=c, share=share):
+                        if s["look_n"][i] >= 4:
+                            return "look_acc"
+                        ok = s["store_n"][i] >= m and s["store_cnt"][i] >= c and s["store_share"][i] >= share
+                        return "store_acc" if ok else "dacc"
+                    r[f"n>=4 | store n>={m} cnt>={c} share>={share}"] = g
     return r
 
 
@@ -142,6 +216,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--out", default=None)
     p.add_argument("--cyclic", action="store_true", help="a copy that runs into the suffix continues from itself")
+    p.add_argument("--store", default=None, help="also retrieval drafts from this token store's n-grams")
     args = p.parse_args()
 
     from specjax.datasets import load_eval
@@ -159,7 +234,9 @@ def main() -> None:
     method = DFlashMethod(dcfg, dcfg.block_size, 1, 4.0, draft_ids=ids)
     params, consts = method.load(args.drafter, target.config), method.constants(target)
 
-    sets = {"heldout": collect(target, served, method, params, consts, TokenStore(args.heldout), args.k)}
+    index = None if args.store is None else StoreIndex(TokenStore(args.store))
+    sets = {"heldout": collect(target, served, method, params, consts, TokenStore(args.heldout), args.k, args.cyclic,
+                               index)}
     with tempfile.TemporaryDirectory() as tmp:
         store = TokenStore(tmp, target.config.vocab_size)
         for r in bench["records"]:
@@ -168,10 +245,10 @@ def main() -> None:
                 for prompt, out in zip(prompts, r["outputs"]):
                     ids_ = target.tokenizer.encode_chat([{"role": "user", "content": prompt.turns[0]}])
                     store.append(prompt.id, r["dataset"], ids_ + list(out), len(ids_), "length")
-        sets["bench"] = collect(target, served, method, params, consts, store, args.k, args.cyclic)
-    result = {name: {rule: walk_tau(seqs, f, args.k) for rule, f in rules(args.k).items()}
-              for name, seqs in sets.items()}
-    for rule in rules(args.k):
+        sets["bench"] = collect(target, served, method, params, consts, store, args.k, args.cyclic, index)
+    table = rules(args.k, index is not None)
+    result = {name: {rule: walk_tau(seqs, f, args.k) for rule, f in table.items()} for name, seqs in sets.items()}
+    for rule in table:
         print(f"{rule:28s} heldout {result['heldout'][rule]['all']}  bench {result['bench'][rule]['all']}")
     if args.out:
         json.dump(result, open(args.out, "w"), indent=1)

@@ -13,7 +13,10 @@ from specjax.engine.engine import LLMEngine
 from specjax.sampling import SamplingParams
 from tests.helpers import kernels_expected, plain_and_random_dflash
 
-SMOLLM_INT8_AGREEMENT = 16  # leading greedy tokens the int8-activation kernels share with float32 XLA (measured 30)
+# teacher-forced on float32 XLA's greedy answer, the share of its 64 tokens that are also the int8-activation kernels'
+# argmax (measured 0.92 on AVX-512 VNNI; a greedy prefix is no measure: it ends at the first near-tie, which came after
+# 30 tokens on AVX2 and 12 on VNNI)
+SMOLLM_INT8_AGREEMENT = 0.8
 
 pytestmark = pytest.mark.smollm
 
@@ -74,10 +77,12 @@ def test_logits_and_tokenizer_match_transformers_on_the_same_gguf(smollm, smollm
 @pytest.mark.slow
 def test_kernels_decode_what_xla_decodes_and_dflash_on_them_is_lossless(smollm, smollm_path):
     """The default runtime path: the Q4_1 / Q8_0 blocks on specjax's CPU kernels (model/quant.py); with float32
-    activations the same tokens as the float32 XLA path on the same file, with int8 ones (the default) the same for
-    a long prefix, and the shipped DFlash drafter verified on the int8 kernels against plain decoding on them."""
+    activations the same tokens as the float32 XLA path on the same file, with int8 ones (the default) the same
+    next token at most positions of that answer, and the shipped DFlash drafter verified on the int8 kernels against
+    plain decoding on them."""
     from specjax.llm import LLM
     from specjax.model.loader import load_model
+    from specjax.spec.reference import full_forward
 
     fast = load_model(smollm_path, quant_kernels=True, activations="float32")
     if not fast.quantized_kernels:
@@ -92,9 +97,12 @@ def test_kernels_decode_what_xla_decodes_and_dflash_on_them_is_lossless(smollm, 
     del fast
     int8 = load_model(smollm_path, quant_kernels=True)
     assert int8.kernel_activations == "int8"
-    [ar] = LLM(method="ar", target=int8, engine_config=cfg).generate([prompt], params)
-    agree = next((i for i, (a, b) in enumerate(zip(ar.token_ids, xla.token_ids)) if a != b), len(ar.token_ids))
+    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    answer = slice(len(ids) - 1, len(ids) + len(xla.token_ids) - 1)  # the rows that predict the answer's tokens
+    forced = full_forward(int8.weights, int8.config, ids + list(xla.token_ids))[0][answer].argmax(-1)
+    agree = float(np.mean(forced == np.asarray(xla.token_ids)))
     assert agree >= SMOLLM_INT8_AGREEMENT, agree
+    [ar] = LLM(method="ar", target=int8, engine_config=cfg).generate([prompt], params)
     dflash = LLM(method="dflash", target=int8, engine_config=cfg)
     assert dflash.drafter_path is not None
     [spec] = dflash.generate([prompt], params)
