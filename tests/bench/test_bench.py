@@ -33,6 +33,13 @@ def test_geometric_fit_recovers_alpha_from_synthetic_traces():
     [row] = analyze({"records": [{"dataset": "d", "method": "ngram", "num_draft_tokens": k,
                                   "acceptance_lengths": traces}]}, kflat, max_k=15)
     assert 1 <= row["recommended_k"] <= 15 and row["recommended_speedup"] > 1
+    # a DFlash step pays its drafter, except on prompt lookup's steps (which skip it): half of them, half the cost
+    kflat["draft"] = [{"block_size": b, "median_s": 0.004} for b in (2, 16)]
+    rec = {"dataset": "d", "method": "dflash", "num_draft_tokens": k, "acceptance_lengths": traces}
+    [plain, half] = analyze({"records": [rec, {**rec, "method": "dflash+lookup", "lookup_share": 0.5}]}, kflat, 15)
+    tau, t1 = plain["tau_empirical"][2], 0.01
+    assert plain["predicted_speedup"][2] == pytest.approx(tau * t1 / (0.013 + 0.004))
+    assert half["predicted_speedup"][2] == pytest.approx(tau * t1 / (0.013 + 0.002))
 
 
 def test_bench_and_theory_cli_on_a_tiny_model(tiny_dirs, tmp_path, capsys):

@@ -4,7 +4,8 @@ Per dataset x method: per-position acceptance p_k = P(a >= k) from the traces; a
 alpha = (accepted drafts) / (accepted drafts + rejections) (the maximum-likelihood alpha of a geometric
 acceptance process truncated at K); predicted E[tau](K) = (1 - alpha^(K+1)) / (1 - alpha) and the empirical
 curve 1 + sum_{k<=K} p_k (extended geometrically past the measured K); then
-speedup(K) = tau(K) * t(1) / (t(K+1) + t_draft), with t(q) interpolated from `analyze kflat`.
+speedup(K) = tau(K) * t(1) / (t(K+1) + t_draft), with t(q) interpolated from `analyze kflat` and t_draft charged on
+the steps the drafter drafted (not prompt lookup's: a bench record's `lookup_share`).
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def analyze(bench: dict, kflat: dict | None, max_k: int = 64) -> list[dict]:
                 tv = verify_time(kflat, k + 1)
                 if tv is None:
                     break
-                # A block drafter (DFlash) runs a block of K+1; chained drafters are not in kflat: cost 0 here.
-                td = draft_time(kflat, k + 1) if rec["method"].startswith("dflash") else 0.0
+                # A block drafter (DFlash) runs a block of K+1, except on prompt lookup's steps (batch 1: the step
+                # skips the drafter, runner.decode_step); chained drafters are not in kflat: cost 0 here.
+                td = draft_time(kflat, k + 1) * (1 - rec.get("lookup_share", 0.0)) if rec["method"].startswith(
+                    "dflash") else 0.0
                 speed.append(row["tau_empirical"][k - 1] * t1 / (tv + td))
             row["predicted_speedup"] = speed
             if speed:
