@@ -22,19 +22,18 @@ import jax
 import numpy as np
 
 
-def lookup_match(tokens: list[int], upto: int, k: int, max_n: int = 8, cyclic: bool = False):
+def lookup_match(tokens: list[int], upto: int, k: int, cyclic: bool = False):
     """(match length n, up to k proposed tokens) for context tokens[:upto] (the longest suffix n-gram's latest
-    earlier occurrence, as spec/lookup.py), or (0, [])."""
+    earlier occurrence, as spec/lookup.py; `cyclic`: its copy_after), or (0, [])."""
+    from specjax.spec.lookup import LOOKUP_MAX_N, copy_after
+
     ctx = tokens[:upto]
     last = len(ctx) - 1
-    for n in range(min(max_n, last), 0, -1):
+    for n in range(min(LOOKUP_MAX_N, last), 0, -1):
         suffix = ctx[last + 1 - n:]
         for end in range(last - 1, n - 2, -1):  # latest occurrence ending before the suffix's last token
             if ctx[end + 1 - n:end + 1] == suffix:
-                prop = ctx[end + 1:end + 1 + k]
-                while cyclic and len(prop) < k:  # the copy runs into the suffix: continue it from itself
-                    prop.append(prop[len(prop) - (last - end)])
-                return n, prop
+                return n, (copy_after(ctx, end + 1, k) if cyclic else ctx[end + 1:end + 1 + k])
     return 0, []
 
 
@@ -70,6 +69,7 @@ class StoreIndex:
 
     def query(self, ctx: list[int], k: int):
         """(n, occurrences, most frequent k-token continuation, its share) of the longest suffix n-gram found."""
+        assert k <= 8, k
         for n in sorted(self.ns, reverse=True):
             if len(ctx) < n:
                 continue
@@ -78,7 +78,7 @@ class StoreIndex:
             if hi == lo:
                 continue
             ends = self.ends[n][lo:hi][-4096:]
-            cont = self.t[ends[:, None] + 1 + np.arange(k)[None, :]]
+            cont = self.t[ends[:, None] + 1 + np.arange(k)[None, :]]  # k <= 8: inside the separator padding
             cont = cont[(cont != self.SEP).all(1)]
             if not len(cont):
                 continue
@@ -88,7 +88,7 @@ class StoreIndex:
         return 0, 0, [], 0.0
 
 
-def collect(target, served, method, params, consts, store, k: int, cyclic: bool = False, index=None):
+def collect(served, method, params, consts, store, k: int, cyclic: bool = False, index=None):
     """Per sequence: dict of per-anchor arrays (drafter accepted, max probs, lookup n / accepted / drafter probs)."""
     from specjax.train.objective import block_logits
     from specjax.train.simtau import HeldOutSet
@@ -103,7 +103,7 @@ def collect(target, served, method, params, consts, store, k: int, cyclic: bool 
                               method.sim_span)[:, :, :k]
         return jax.nn.softmax(logits, -1)
 
-    out = []
+    out, t2d_ = [], np.asarray(t2d)
     for c, (tokens, taps, mask, lengths, anchors, keep) in enumerate(held.chunks):
         probs = np.asarray(probs_fn(params, tokens, taps, anchors, keep))  # [R, N, k, Vd]
         rows = probs.shape[0]
@@ -118,11 +118,9 @@ def collect(target, served, method, params, consts, store, k: int, cyclic: bool 
             p = probs[r, :n_anchor]  # [n, k, Vd]
             draft = p.argmax(-1)
             maxp = p.max(-1)
-            truth_d = np.full((n_anchor, k), -2)
             look_n = np.zeros(n_anchor, np.int32)
             look_acc = np.full(n_anchor, -1)
             look_q = np.zeros((n_anchor, k))
-            t2d_ = np.asarray(t2d)
             dacc = np.zeros(n_anchor, np.int32)
             st = {"store_n": np.zeros(n_anchor, np.int32), "store_cnt": np.zeros(n_anchor, np.int32),
                   "store_share": np.zeros(n_anchor), "store_acc": np.full(n_anchor, -1)}
@@ -130,7 +128,6 @@ def collect(target, served, method, params, consts, store, k: int, cyclic: bool 
                 a = pl + i
                 truth = toks[a + 1:a + 1 + k]
                 td = [int(t2d_[t]) for t in truth]
-                truth_d[i, :len(td)] = td
                 hit = [int(draft[i, s]) == td[s] for s in range(len(td))]
                 dacc[i] = next((s for s, h in enumerate(hit) if not h), len(hit))
                 n, prop = lookup_match(toks, a + 1, k, cyclic=cyclic)
@@ -235,7 +232,7 @@ def main() -> None:
     params, consts = method.load(args.drafter, target.config), method.constants(target)
 
     index = None if args.store is None else StoreIndex(TokenStore(args.store))
-    sets = {"heldout": collect(target, served, method, params, consts, TokenStore(args.heldout), args.k, args.cyclic,
+    sets = {"heldout": collect(served, method, params, consts, TokenStore(args.heldout), args.k, args.cyclic,
                                index)}
     with tempfile.TemporaryDirectory() as tmp:
         store = TokenStore(tmp, target.config.vocab_size)
@@ -245,13 +242,14 @@ def main() -> None:
                 for prompt, out in zip(prompts, r["outputs"]):
                     ids_ = target.tokenizer.encode_chat([{"role": "user", "content": prompt.turns[0]}])
                     store.append(prompt.id, r["dataset"], ids_ + list(out), len(ids_), "length")
-        sets["bench"] = collect(target, served, method, params, consts, store, args.k, args.cyclic, index)
+        sets["bench"] = collect(served, method, params, consts, store, args.k, args.cyclic, index)
     table = rules(args.k, index is not None)
     result = {name: {rule: walk_tau(seqs, f, args.k) for rule, f in table.items()} for name, seqs in sets.items()}
     for rule in table:
         print(f"{rule:28s} heldout {result['heldout'][rule]['all']}  bench {result['bench'][rule]['all']}")
     if args.out:
-        json.dump(result, open(args.out, "w"), indent=1)
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ from specjax.engine.engine import LLMEngine
 from specjax.sampling import SamplingParams
 from tests.helpers import kernels_expected, plain_and_random_dflash
 
-# teacher-forced on float32 XLA's greedy answer, the share of its 64 tokens that are also the int8-activation kernels'
-# argmax (measured 0.92 on AVX-512 VNNI; a greedy prefix is no measure: it ends at the first near-tie, which came after
-# 30 tokens on AVX2 and 12 on VNNI)
+# teacher-forced on float32 XLA's greedy answer (one forward over prompt + answer), the share of its 64 tokens that are
+# also the int8-activation kernels' argmax (measured 0.92 on AVX-512 VNNI; a greedy prefix is no measure: it ends at the
+# first near-tie, which came after 30 tokens on AVX2 and 12 on VNNI)
 SMOLLM_INT8_AGREEMENT = 0.8
 
 pytestmark = pytest.mark.smollm

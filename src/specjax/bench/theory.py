@@ -73,7 +73,7 @@ def analyze(bench: dict, kflat: dict | None, max_k: int = 64) -> list[dict]:
                     break
                 # A block drafter (DFlash) runs a block of K+1, except on prompt lookup's steps (batch 1: the step
                 # skips the drafter, runner.decode_step); chained drafters are not in kflat: cost 0 here.
-                td = draft_time(kflat, k + 1) * (1 - rec.get("lookup_share", 0.0)) if rec["method"].startswith(
+                td = draft_time(kflat, k + 1) * (1 - (rec.get("lookup_share") or 0.0)) if rec["method"].startswith(
                     "dflash") else 0.0
                 speed.append(row["tau_empirical"][k - 1] * t1 / (tv + td))
             row["predicted_speedup"] = speed

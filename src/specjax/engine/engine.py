@@ -599,7 +599,7 @@ class LLMEngine:
                     seq.lookup = LookupIndex(self.lookup_min_n)
                 seq.lookup.extend(seq.prompt_ids, seq.output_ids)
                 proposal = seq.lookup.propose(k)
-                if len(proposal) == k:  # a whole block, else the drafter's (a short one would waste its rows)
+                if len(proposal) == k:  # lookup proposes K tokens or none (spec/lookup.copy_after)
                     host_drafts[i], looked_up[i] = proposal, True
                     seq.stats.lookup_steps += 1
                 else:

@@ -33,7 +33,7 @@ class LookupIndex:
         self.tokens += output_ids[have - len(prompt_ids):]
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the most recent earlier occurrence of the longest suffix n-gram."""
+        """The k tokens that followed the most recent earlier occurrence of the longest suffix n-gram, or none."""
         t, last = self.tokens, len(self.tokens) - 1
         for end in range(self.indexed, last):  # occurrences must end before the suffix's own last token
             for n, latest in enumerate(self.latest, self.min_n):
