@@ -6,7 +6,7 @@ lookup's proposal with its match length, and the drafter's probabilities of look
 block per step; its tau is the block-start walk's (what the engine measures, training.md session 52).
 
   python scripts/lookup_choice_sim.py --bench docs/results/bench-session52-lookup/bench.json [--k 3] [--cyclic] \
-      [--out F]
+      [--store data/regen-smollm2] [--long-lookup 5,7] [--out F]
 
 (--cyclic: a copy that runs into the context's end goes on with its own period, as `spec.lookup.copy_after` does
 now; without it the proposal stops there, as before session 53.)
@@ -88,7 +88,7 @@ class StoreIndex:
         return 0, 0, [], 0.0
 
 
-def collect(served, method, params, consts, store, k: int, cyclic: bool = False, index=None):
+def collect(served, method, params, consts, store, k: int, cyclic: bool = False, index=None, long_ks=()):
     """Per sequence: dict of per-anchor arrays (drafter accepted, max probs, lookup n / accepted / drafter probs)."""
     from specjax.train.objective import block_logits
     from specjax.train.simtau import HeldOutSet
@@ -122,6 +122,7 @@ def collect(served, method, params, consts, store, k: int, cyclic: bool = False,
             look_acc = np.full(n_anchor, -1)
             look_q = np.zeros((n_anchor, k))
             dacc = np.zeros(n_anchor, np.int32)
+            long = {kk: np.full(n_anchor, -1) for kk in long_ks}  # lookup's accepted drafts at a larger K
             st = {"store_n": np.zeros(n_anchor, np.int32), "store_cnt": np.zeros(n_anchor, np.int32),
                   "store_share": np.zeros(n_anchor), "store_acc": np.full(n_anchor, -1)}
             for i in range(n_anchor):
@@ -135,6 +136,11 @@ def collect(served, method, params, consts, store, k: int, cyclic: bool = False,
                 if n and len(prop) == k:
                     look_acc[i] = next((s for s, (x, y) in enumerate(zip(prop, truth)) if x != y), min(k, len(truth)))
                     look_q[i] = [p[i, s, t2d_[t]] if t2d_[t] >= 0 else 0.0 for s, t in enumerate(prop)]
+                for kk in long_ks:
+                    n, prop = lookup_match(toks, a + 1, kk, cyclic=cyclic)
+                    if n and len(prop) == kk:
+                        far = toks[a + 1:a + 1 + kk]
+                        long[kk][i] = next((s for s, (x, y) in enumerate(zip(prop, far)) if x != y), min(kk, len(far)))
                 if index is not None:
                     n, cnt, prop, share = index.query(toks[:a + 1], k)
                     if n:
@@ -142,7 +148,7 @@ def collect(served, method, params, consts, store, k: int, cyclic: bool = False,
                         st["store_acc"][i] = next((s for s, (x, y) in enumerate(zip(prop, truth)) if x != y),
                                                   min(k, len(truth)))
             out.append({"source": held.sources[j], "dacc": dacc, "maxp": maxp, "look_n": look_n,
-                        "look_acc": look_acc, "look_q": look_q, **st})
+                        "look_acc": look_acc, "look_q": look_q, "long": long, **st})
     return out
 
 
@@ -164,6 +170,27 @@ def walk_tau(seqs, choose, k: int) -> dict:
             i += 1 + n
     return {src: (round(float(np.mean([a for a, _ in v])), 4), round(float(np.mean([u for _, u in v])), 3))
             for src, v in steps.items()}
+
+
+def long_lookup_rate(seqs, kl: int, k: int, curve: dict, draft_cost: float, host_cost: float,
+                     min_match: int = 4) -> dict:
+    """Tokens per plain-step time, per source, when lookup's steps (match >= min_match) verify kl drafts and skip
+    the drafter, the drafter's verify k: a round costs t(q) / t(1) from `curve` (interpolated) plus `host_cost`,
+    plus `draft_cost` where the drafter ran (both in plain steps)."""
+    qs = sorted(curve)
+    t = lambda q: float(np.interp(q, qs, [curve[x] for x in qs]))  # noqa: E731
+    tokens, cost = {}, {}
+    for s in seqs:
+        acc = s["long"][kl] if kl != k else s["look_acc"]
+        i = 0
+        while i < len(s["dacc"]):
+            look = s["look_n"][i] >= min_match and acc[i] >= 0
+            n = min(int(acc[i]), kl) if look else min(int(s["dacc"][i]), k)
+            c = t((kl if look else k) + 1) + host_cost + (0.0 if look else draft_cost)
+            for src in (s["source"], "all"):
+                tokens[src], cost[src] = tokens.get(src, 0) + 1 + n, cost.get(src, 0.0) + c
+            i += 1 + n
+    return {src: round(tokens[src] / cost[src], 3) for src in tokens}
 
 
 def expected(q) -> float:
@@ -214,6 +241,11 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--cyclic", action="store_true", help="a copy that runs into the suffix continues from itself")
     p.add_argument("--store", default=None, help="also retrieval drafts from this token store's n-grams")
+    p.add_argument("--long-lookup", default="", help="also lookup's steps at these larger K, e.g. 5,7 (rates by "
+                   "--verify-curve q:t(q)/t(1),..., --drafter-cost and --host-cost in plain steps)")
+    p.add_argument("--verify-curve", default="1:1,2:1.12,4:1.39,8:2.33", help="default: kflat.md, session 53")
+    p.add_argument("--drafter-cost", type=float, default=0.19, help="0.9 ms of a 4.7 ms plain step (session 53)")
+    p.add_argument("--host-cost", type=float, default=0.074, help="a round's host work over a plain step's")
     args = p.parse_args()
 
     from specjax.datasets import load_eval
@@ -232,8 +264,9 @@ def main() -> None:
     params, consts = method.load(args.drafter, target.config), method.constants(target)
 
     index = None if args.store is None else StoreIndex(TokenStore(args.store))
+    long_ks = tuple(int(x) for x in args.long_lookup.split(",") if x)
     sets = {"heldout": collect(served, method, params, consts, TokenStore(args.heldout), args.k, args.cyclic,
-                               index)}
+                               index, long_ks)}
     with tempfile.TemporaryDirectory() as tmp:
         store = TokenStore(tmp, target.config.vocab_size)
         for r in bench["records"]:
@@ -242,11 +275,17 @@ def main() -> None:
                 for prompt, out in zip(prompts, r["outputs"]):
                     ids_ = target.tokenizer.encode_chat([{"role": "user", "content": prompt.turns[0]}])
                     store.append(prompt.id, r["dataset"], ids_ + list(out), len(ids_), "length")
-        sets["bench"] = collect(served, method, params, consts, store, args.k, args.cyclic, index)
+        sets["bench"] = collect(served, method, params, consts, store, args.k, args.cyclic, index, long_ks)
     table = rules(args.k, index is not None)
     result = {name: {rule: walk_tau(seqs, f, args.k) for rule, f in table.items()} for name, seqs in sets.items()}
     for rule in table:
         print(f"{rule:28s} heldout {result['heldout'][rule]['all']}  bench {result['bench'][rule]['all']}")
+    if long_ks:
+        curve = {float(q): float(v) for q, v in (x.split(":") for x in args.verify_curve.split(","))}
+        for name, seqs in sets.items():
+            result[name]["long_lookup"] = {kl: long_lookup_rate(seqs, kl, args.k, curve, args.drafter_cost,
+                                                                args.host_cost) for kl in (args.k, *long_ks)}
+            print(name, "tokens per plain-step time, lookup at K =", result[name]["long_lookup"])
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
