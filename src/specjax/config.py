@@ -415,8 +415,8 @@ class EngineConfig:
     """Prompt lookup assists a device drafter (DFlash, EAGLE-3): a step whose context ends in an n-gram of at least
     this many tokens seen before in the prompt or output (the longest match up to spec/lookup.py's LOOKUP_MAX_N,
     most recent first) verifies the K tokens that followed it instead of the drafter's block; 0 = off; None = off,
-    except that the `LLM` class picks a platform default for DFlash (`llm.default_lookup_min_match`).  Lossless
-    either way (any draft is verified); it pays where text repeats, see docs/results/bench.md."""
+    except that the `LLM` class picks a platform default for DFlash and EAGLE-3 (`llm.default_lookup_min_match`).
+    Lossless either way (any draft is verified); it pays where text repeats, see docs/results/bench.md."""
     kv_cache_dtype: str = "auto"
     """dtype of the target's KV pools: "float32", "float16", "bfloat16", or "auto" (engine.kv_cache_dtype: float16
     on the int8-activation GGUF kernels, as llama.cpp's default cache, else the activations' dtype).  A 16-bit

@@ -97,12 +97,13 @@ CPU_LOOKUP_MIN_MATCH = 4
 
 
 def default_lookup_min_match(platform: str) -> int:
-    """The repeated n-gram length at which prompt lookup's drafts stand in for a DFlash drafter's block when none is
-    asked for (fixed K; with adaptive K it is unmeasured: off).  On a CPU at K = 3 it raised tau by 0.00-0.29 on the
-    five bench datasets and DFlash's speed 1.02-1.22x in two runs; a third run read 0.93x on gsm8k, where tau did not
-    move (noise), and at K = 2 gsm8k's tau fell 2.32 -> 2.27 (docs/results/bench.md, session 52; 4 was chosen on
-    held-out answers by simulation: 3 and 4 tie, 4 lost nothing on the bench prompts).  Elsewhere the drafter's whole
-    block is verified and lookup is unmeasured: off."""
+    """The repeated n-gram length at which prompt lookup's drafts stand in for a DFlash or EAGLE-3 drafter's block
+    when none is asked for (fixed K; with adaptive K it is off: no gain in serving, docs/results/serving.md session
+    53).  On a CPU at K = 3 it raised DFlash's tau by 0.00-0.29 on the five bench datasets and its speed 1.02-1.22x in
+    two runs; a third run read 0.93x on gsm8k, where tau did not move (noise), and at K = 2 gsm8k's tau fell 2.32 ->
+    2.27 (docs/results/bench.md, session 52; 4 was chosen on held-out answers by simulation: 3 and 4 tie, 4 lost
+    nothing on the bench prompts).  EAGLE-3's tau rose 0.12-0.59 and its speed 1.09-1.54x at K = 2 and 3 (session
+    53).  Elsewhere the drafter's whole block is verified and lookup is unmeasured: off."""
     return CPU_LOOKUP_MIN_MATCH if platform == "cpu" else 0
 
 
@@ -164,7 +165,8 @@ class LLM:
         if self.method == "dflash" and engine_config.num_draft_tokens is None and not engine_config.adaptive_k:
             engine_config = dataclasses.replace(
                 engine_config, num_draft_tokens=default_num_draft(proposer.max_draft_tokens, platform))
-        if self.method == "dflash" and engine_config.lookup_min_match is None and not engine_config.adaptive_k:
+        drafted = self.method in ("dflash", "eagle3")
+        if drafted and engine_config.lookup_min_match is None and not engine_config.adaptive_k:
             engine_config = dataclasses.replace(engine_config, lookup_min_match=default_lookup_min_match(platform))
         budget = default_kv_cache_memory(platform)
         if budget and not engine_config.num_pages and not engine_config.kv_cache_memory:

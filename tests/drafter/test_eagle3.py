@@ -73,7 +73,9 @@ def test_speculators_layout_and_errors(setup, tmp_path):
         load_eagle3(str(alias), target.config)
 
 
-def test_eagle3_is_lossless_greedy_and_seeded(setup):
+@pytest.mark.parametrize("lookup", [0, 1])
+def test_eagle3_is_lossless_greedy_and_seeded(setup, lookup):
+    """Plain and with prompt lookup standing in for the chain where the context repeats (a CPU's default)."""
     target, cfg, weights, _ = setup
     rng = np.random.default_rng(7)
     prompts = [random_prompt(rng, n) for n in (3, 11, 20)]
@@ -83,8 +85,11 @@ def test_eagle3_is_lossless_greedy_and_seeded(setup):
         expected = [s.output_ids for s in base.generate(prompts, params)]
         engine = LLMEngine(target.config, target.weights, Eagle3Proposer(cfg, 4),
                            Eagle3Params(weights, target.weights.embed),
-                           EngineConfig(page_size=4, num_pages=30, max_model_len=64, max_num_seqs=3))
-        assert [s.output_ids for s in engine.generate(prompts, params)] == expected
+                           EngineConfig(page_size=4, num_pages=30, max_model_len=64, max_num_seqs=3,
+                                        lookup_min_match=lookup))
+        seqs = engine.generate(prompts, params)
+        assert [s.output_ids for s in seqs] == expected
+        assert (sum(s.stats.lookup_steps for s in seqs) > 0) == bool(lookup)
         assert engine.allocator.num_used == 0
 
 

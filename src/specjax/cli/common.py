@@ -42,7 +42,7 @@ def add_lookup_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-min-match", type=int, default=None, metavar="N",
                    help="prompt lookup assists a DFlash / EAGLE-3 drafter: a step whose context ends in an n-gram of "
                         ">= N tokens seen before verifies what followed it instead of the drafter's block (0 = off; "
-                        "default: 4 for DFlash on a CPU, else off)")
+                        "default: 4 for DFlash and EAGLE-3 at a fixed K on a CPU, else off)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
