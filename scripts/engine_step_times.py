@@ -13,6 +13,7 @@ import statistics
 import time
 
 import jax
+from engine_hooks import decode_calls
 
 from specjax.config import EngineConfig
 from specjax.engine import runner
@@ -34,27 +35,19 @@ def main() -> None:
     prompt = llm.encode(PROMPT)
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up
-    captured = {}
-    run = eng._run
-
-    def capture(shape, program, *a):
-        if shape.kind == "decode":
-            captured["decode"] = (program, a)
-        return run(shape, program, *a)
-
-    eng._run = capture
     decode = []
-    for _ in range(3):
-        sid = eng.add_request(prompt, params)
-        while not eng.seqs[sid].is_finished:
-            t0 = time.perf_counter()
-            eng.step()
-            if eng.last_decode:  # not the prefill
-                decode.append(time.perf_counter() - t0)
+    with decode_calls(eng) as calls:
+        for _ in range(3):
+            sid = eng.add_request(prompt, params)
+            while not eng.seqs[sid].is_finished:
+                t0 = time.perf_counter()
+                eng.step()
+                if eng.last_decode:  # not the prefill
+                    decode.append(time.perf_counter() - t0)
     decode.sort()
     q = [decode[int(len(decode) * f)] * 1e3 for f in (0.1, 0.5, 0.9)]
     print(f"{args.method}: {len(decode)} decode steps, ms p10 / median / p90 {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f}")
-    (step, _), a = captured["decode"]
+    _, (step, _), a = calls[-1]
     out = step(eng.tweights, eng.kv, eng.pweights, eng.pstate, *a)
     for kernel in (None, eng.tweights.kv_write_kernel):
         commit = runner.commit.lower(eng.kv, eng.pstate, a[0].slots, out[3], out[5], out[4], kernel=kernel).compile()

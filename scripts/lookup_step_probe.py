@@ -10,6 +10,7 @@ import time
 
 import jax
 import numpy as np
+from engine_hooks import decode_calls
 
 from specjax.llm import LLM
 from specjax.sampling import SamplingParams
@@ -23,16 +24,9 @@ def main() -> None:
     eng = llm.engine
     prompt = llm.encode(PROMPT)
     llm.generate([prompt], SamplingParams(max_new_tokens=128, ignore_eos=True))  # compiles every shape used below
-    captured, run = {}, eng._run
-
-    def capture(shape, program, *args):
-        if shape.kind == "decode":
-            captured["decode"] = (program, args)
-        return run(shape, program, *args)
-
-    eng._run = capture
-    llm.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))
-    (step, _), (inputs, sampling) = captured["decode"]
+    with decode_calls(eng) as calls:
+        llm.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    _, (step, _), (inputs, sampling) = calls[-1]
     drafts = np.asarray(inputs.host_drafts)
     variants = {"lookup": dataclasses.replace(inputs, host_drafts=np.full_like(drafts, 7)),
                 "drafter": dataclasses.replace(inputs, host_drafts=np.full_like(drafts, -1))}

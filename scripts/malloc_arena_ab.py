@@ -25,28 +25,22 @@ def child(arenas: int, seconds: float) -> None:
     import time
 
     import jax
+    from engine_hooks import decode_calls
 
     from specjax.config import EngineConfig
     from specjax.llm import LLM
     from specjax.sampling import SamplingParams
 
     llm = LLM(method="ar", engine_config=EngineConfig(max_model_len=2048, max_num_seqs=1))
-    engine, captured = llm.engine, {}
-    run = engine._run
-
-    def capture(shape, program, *args):
-        if shape.kind == "decode" and not captured:
-            captured.update(program=program, args=args)
-        return run(shape, program, *args)
-
-    engine._run = capture
-    llm.generate(["Explain how a bicycle works."], SamplingParams(max_new_tokens=8, ignore_eos=True))
-    step, _ = captured["program"]
+    engine = llm.engine
+    with decode_calls(engine) as captured:
+        llm.generate(["Explain how a bicycle works."], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    _, (step, _), step_args = captured[0]
     calls, totals = [], []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        out = step(engine.tweights, engine.kv, engine.pweights, engine.pstate, *captured["args"])
+        out = step(engine.tweights, engine.kv, engine.pweights, engine.pstate, *step_args)
         t1 = time.perf_counter()
         jax.block_until_ready(out)
         calls.append(t1 - t0)

@@ -17,6 +17,7 @@ import sys
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_hooks import decode_calls  # noqa: E402
 from stacking_ab import timed  # noqa: E402
 
 import specjax.engine.engine as engine_module  # noqa: E402
@@ -40,16 +41,9 @@ def build(stack: bool, commit: bool):
         llm = LLM(method="dflash", engine_config=EngineConfig(max_model_len=4096, num_draft_tokens=3))
     finally:
         proposer_module.stackable, engine_module.committed = saved
-    eng, captured, run = llm.engine, [], llm.engine._run
-
-    def capture(shape, program, *args):
-        if shape.kind == "decode" and not captured:
-            captured.append((shape, program, args))
-        return run(shape, program, *args)
-
-    eng._run = capture
-    [out] = llm.generate([llm.encode(PROMPT)], SamplingParams(max_new_tokens=32, ignore_eos=True))
-    eng._run = run
+    eng = llm.engine
+    with decode_calls(eng) as captured:
+        [out] = llm.generate([llm.encode(PROMPT)], SamplingParams(max_new_tokens=32, ignore_eos=True))
     phases = collections.defaultdict(list)
     timed(llm, phases)
     count = len(jax.tree.leaves((eng.tweights, eng.kv, eng.pweights, eng.pstate, captured[0][2])))
