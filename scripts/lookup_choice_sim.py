@@ -22,21 +22,6 @@ import jax
 import numpy as np
 
 
-def lookup_match(tokens: list[int], upto: int, k: int, cyclic: bool = False):
-    """(match length n, up to k proposed tokens) for context tokens[:upto] (the longest suffix n-gram's latest
-    earlier occurrence, as spec/lookup.py; `cyclic`: its copy_after), or (0, [])."""
-    from specjax.spec.lookup import LOOKUP_MAX_N, copy_after
-
-    ctx = tokens[:upto]
-    last = len(ctx) - 1
-    for n in range(min(LOOKUP_MAX_N, last), 0, -1):
-        suffix = ctx[last + 1 - n:]
-        for end in range(last - 1, n - 2, -1):  # latest occurrence ending before the suffix's last token
-            if ctx[end + 1 - n:end + 1] == suffix:
-                return n, (copy_after(ctx, end + 1, k) if cyclic else ctx[end + 1:end + 1 + k])
-    return 0, []
-
-
 class StoreIndex:
     """Every n-gram (n in ns) of a token store's sequences, as sorted 64-bit rolling hashes with their end positions:
     the continuations of a context's suffix n-gram across the whole store (retrieval drafting, as REST)."""
@@ -90,8 +75,9 @@ class StoreIndex:
 
 def collect(served, method, params, consts, store, k: int, cyclic: bool = False, index=None, long_ks=()):
     """Per sequence: dict of per-anchor arrays (drafter accepted, max probs, lookup n / accepted / drafter probs)."""
+    from specjax.spec.lookup import LookupIndex, copy_after
     from specjax.train.objective import block_logits
-    from specjax.train.simtau import HeldOutSet
+    from specjax.train.simtau import HeldOutSet, leading_matches
 
     embed, head, t2d, _ = consts
     held = HeldOutSet(served, store, method.tap_indices, method.sim_span, max_len=2048)
@@ -125,28 +111,28 @@ def collect(served, method, params, consts, store, k: int, cyclic: bool = False,
             long = {kk: np.full(n_anchor, -1) for kk in long_ks}  # lookup's accepted drafts at a larger K
             st = {"store_n": np.zeros(n_anchor, np.int32), "store_cnt": np.zeros(n_anchor, np.int32),
                   "store_share": np.zeros(n_anchor), "store_acc": np.full(n_anchor, -1)}
+            lookup = LookupIndex(1)  # every match length, so that rules can pick their minimum
             for i in range(n_anchor):
                 a = pl + i
                 truth = toks[a + 1:a + 1 + k]
-                td = [int(t2d_[t]) for t in truth]
-                hit = [int(draft[i, s]) == td[s] for s in range(len(td))]
-                dacc[i] = next((s for s, h in enumerate(hit) if not h), len(hit))
-                n, prop = lookup_match(toks, a + 1, k, cyclic=cyclic)
+                dacc[i] = leading_matches(draft[i], [int(t2d_[t]) for t in truth])
+                lookup.extend(toks[:pl], toks[pl:a + 1])
+                n, end = lookup.match()
                 look_n[i] = n
-                if n and len(prop) == k:
-                    look_acc[i] = next((s for s, (x, y) in enumerate(zip(prop, truth)) if x != y), min(k, len(truth)))
-                    look_q[i] = [p[i, s, t2d_[t]] if t2d_[t] >= 0 else 0.0 for s, t in enumerate(prop)]
-                for kk in long_ks:
-                    n, prop = lookup_match(toks, a + 1, kk, cyclic=cyclic)
-                    if n and len(prop) == kk:
-                        far = toks[a + 1:a + 1 + kk]
-                        long[kk][i] = next((s for s, (x, y) in enumerate(zip(prop, far)) if x != y), min(kk, len(far)))
+                for kk in (k, *long_ks) if n else ():
+                    prop = copy_after(lookup.tokens, end + 1, kk) if cyclic else lookup.tokens[end + 1:end + 1 + kk]
+                    if len(prop) < kk:
+                        continue
+                    if kk == k:
+                        look_acc[i] = leading_matches(prop, truth)
+                        look_q[i] = [p[i, s, t2d_[t]] if t2d_[t] >= 0 else 0.0 for s, t in enumerate(prop)]
+                    else:
+                        long[kk][i] = leading_matches(prop, toks[a + 1:a + 1 + kk])
                 if index is not None:
                     n, cnt, prop, share = index.query(toks[:a + 1], k)
                     if n:
                         st["store_n"][i], st["store_cnt"][i], st["store_share"][i] = n, cnt, share
-                        st["store_acc"][i] = next((s for s, (x, y) in enumerate(zip(prop, truth)) if x != y),
-                                                  min(k, len(truth)))
+                        st["store_acc"][i] = leading_matches(prop, truth)
             out.append({"source": held.sources[j], "dacc": dacc, "maxp": maxp, "look_n": look_n,
                         "look_acc": look_acc, "look_q": look_q, "long": long, **st})
     return out

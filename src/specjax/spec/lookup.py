@@ -32,8 +32,9 @@ class LookupIndex:
             have = len(prompt_ids)
         self.tokens += output_ids[have - len(prompt_ids):]
 
-    def propose(self, k: int) -> list[int]:
-        """The k tokens that followed the most recent earlier occurrence of the longest suffix n-gram, or none."""
+    def match(self) -> tuple[int, int]:
+        """(n, end): the longest suffix n-gram (min_n <= n <= max_n) seen before and where its most recent earlier
+        occurrence ends, or (0, -1)."""
         t, last = self.tokens, len(self.tokens) - 1
         for end in range(self.indexed, last):  # occurrences must end before the suffix's own last token
             for n, latest in enumerate(self.latest, self.min_n):
@@ -43,8 +44,13 @@ class LookupIndex:
         for n in range(min(self.max_n, last), self.min_n - 1, -1):
             end = self.latest[n - self.min_n].get(tuple(t[last + 1 - n:]))
             if end is not None:
-                return copy_after(t, end + 1, k)
-        return []
+                return n, end
+        return 0, -1
+
+    def propose(self, k: int) -> list[int]:
+        """The k tokens that followed the most recent earlier occurrence of the longest suffix n-gram, or none."""
+        n, end = self.match()
+        return copy_after(self.tokens, end + 1, k) if n else []
 
 
 def copy_after(tokens, start: int, k: int) -> list[int]:

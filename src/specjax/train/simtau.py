@@ -129,9 +129,14 @@ def lookup_accepted(tokens, prompt_len: int, num_anchors: int, k: int, min_match
         index.extend(tokens[:prompt_len], tokens[prompt_len:anchor + 1])
         proposal = index.propose(k)
         if len(proposal) == k:
-            truth = tokens[anchor + 1:anchor + 1 + k]
-            out[i] = next((j for j, (a, b) in enumerate(zip(proposal, truth)) if a != b), min(k, len(truth)))
+            out[i] = leading_matches(proposal, tokens[anchor + 1:anchor + 1 + k])
     return out
+
+
+def leading_matches(drafts, truth) -> int:
+    """How many leading drafts equal the target's tokens `truth` (what greedy verification accepts; a truth cut
+    short by the answer's end accepts everything it has)."""
+    return next((j for j, (a, b) in enumerate(zip(drafts, truth)) if a != b), min(len(drafts), len(truth)))
 
 
 def read_sim_curve(log_path: str) -> list[tuple[float, dict]]:
