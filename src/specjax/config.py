@@ -417,6 +417,10 @@ class EngineConfig:
     most recent first) verifies the K tokens that followed it instead of the drafter's block; 0 = off; None = off,
     except that the `LLM` class picks a platform default for DFlash and EAGLE-3 (`llm.default_lookup_min_match`).
     Lossless either way (any draft is verified); it pays where text repeats, see docs/results/bench.md."""
+    context_vocab: int = 32
+    """A DFlash drafter with a draft vocabulary also drafts each sequence's last `context_vocab` distinct prompt
+    tokens that its vocabulary lacks (names, identifiers the answer copies; drafter/dflash.py `propose_tokens`);
+    0 = only its draft vocabulary.  Lossless either way; no effect on drafters of the whole vocabulary."""
     kv_cache_dtype: str = "auto"
     """dtype of the target's KV pools: "float32", "float16", "bfloat16", or "auto" (engine.kv_cache_dtype: float16
     on the int8-activation GGUF kernels, as llama.cpp's default cache, else the activations' dtype).  A 16-bit
@@ -436,6 +440,8 @@ class EngineConfig:
             raise ConfigError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if self.lookup_min_match is not None and self.lookup_min_match < 0:
             raise ConfigError(f"lookup_min_match must be >= 0 (0 = off), got {self.lookup_min_match}")
+        if self.context_vocab < 0:
+            raise ConfigError(f"context_vocab must be >= 0 (0 = off), got {self.context_vocab}")
         if self.page_bucket_factor < 2:
             raise ConfigError(f"page_bucket_factor must be >= 2, got {self.page_bucket_factor}")
         if self.max_step_programs < 0:

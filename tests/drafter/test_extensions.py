@@ -71,21 +71,57 @@ def test_draft_vocabulary_drafter_is_lossless_and_drafts_only_its_ids(setup):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     config = EngineConfig(page_size=4, max_model_len=96, max_num_seqs=4)
     plain = LLMEngine(target.config, target.weights, NoProposer(), None, config).generate(prompts, params)
-    engine = LLMEngine(target.config, target.weights, DFlashProposer(cfg, 8), weights, config, record_drafts=True)
-    spec = engine.generate(prompts, params)
-    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
-    assert engine.allocator.num_used == 0
-    drafted = {int(t) for s in spec for d in s.stats.draft_log for t in d}
-    assert drafted and drafted <= set(int(i) for i in ids)
+    drafted = {}
+    for vocab in (0, 32):  # without and with the prompt's tokens beside the draft vocabulary (the default)
+        engine = LLMEngine(target.config, target.weights, DFlashProposer(cfg, 8), weights,
+                           dataclasses.replace(config, context_vocab=vocab), record_drafts=True)
+        spec = engine.generate(prompts, params)
+        assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+        assert engine.allocator.num_used == 0
+        drafted[vocab] = [{int(t) for d in s.stats.draft_log for t in d} for s in spec]
+    assert set().union(*drafted[0]) and set().union(*drafted[0]) <= set(int(i) for i in ids)
+    for prompt, tokens in zip(prompts, drafted[32]):  # a sequence drafts only its own prompt's other tokens
+        assert tokens <= set(int(i) for i in ids) | set(prompt)
+    assert set().union(*drafted[32]) - set(int(i) for i in ids)  # ... and did draft some of them
 
 
-def test_slot_embeddings_forbid_a_larger_block(setup):
-    from specjax.config import ConfigError
+def test_context_vocabulary_drafts_as_a_vocabulary_with_those_ids(setup):
+    """Oracle of the extra rows: the engine's drafts with a prompt's tokens beside the draft vocabulary are those of
+    the same drafter whose draft vocabulary holds them too (spec/context_vocab.context_ids picks them)."""
+    from specjax.spec.context_vocab import context_ids
 
-    _, cfg, _, _ = setup
-    DFlashProposer(cfg, 4)  # smaller blocks use the first slots
-    with pytest.raises(ConfigError, match="block_size=16 exceeds the drafter's 8"):
-        DFlashProposer(cfg, 16)
+    target, cfg, weights, ids = setup
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    config = EngineConfig(page_size=4, max_model_len=96, max_num_seqs=1, context_vocab=24)
+    draftable = np.zeros(target.config.vocab_size, bool)
+    draftable[ids] = True
+    drafted_extra = False
+    for n in (9, 40):
+        prompt = random_prompt(np.random.default_rng(n), n)
+        extra = [int(t) for t in context_ids(prompt, draftable, 24) if t >= 0]
+        assert len(extra) == min(24, len(set(prompt) - set(int(i) for i in ids)))
+        union = np.sort(np.concatenate([ids, extra]))
+        wide = dataclasses.replace(weights, draft_ids=jnp.asarray(union, jnp.int32))
+        wide_cfg = dataclasses.replace(cfg, draft_vocab_size=len(union))
+        logs = []
+        for c, w, vocab in ((cfg, weights, 24), (wide_cfg, wide, 0)):
+            engine = LLMEngine(target.config, target.weights, DFlashProposer(c, 8), w,
+                               dataclasses.replace(config, context_vocab=vocab), record_drafts=True)
+            logs.append(engine.generate([prompt], params)[0].stats.draft_log)
+        assert logs[0] == logs[1]
+        drafted_extra |= any(t in extra for d in logs[0] for t in d)
+    assert drafted_extra
+
+
+def test_context_ids_are_the_latest_distinct_undraftable_tokens():
+    from specjax.spec.context_vocab import context_ids
+
+    draftable = np.zeros(10, bool)
+    draftable[[1, 2]] = True
+    np.testing.assert_array_equal(context_ids([3, 1, 4, 3, 2, 5, 4], draftable, 2), [4, 5])
+    np.testing.assert_array_equal(context_ids([3, 1, 4, 3, 2, 5, 4], draftable, 5), [4, 5, 3, -1, -1])
+    np.testing.assert_array_equal(context_ids([1, 2], draftable, 3), [-1, -1, -1])
+    assert context_ids([7], draftable, 0).shape == (0,)
 
 
 def test_random_drafter_spec_with_a_draft_vocabulary(setup):

@@ -9,6 +9,7 @@ import time
 
 from specjax.cli.common import (
     DEFAULT_CACHE,
+    add_context_vocab_arg,
     add_parallel_args,
     add_quant_kernel_arg,
     enable_compile_cache,
@@ -56,7 +57,7 @@ def cmd_bench(args) -> int:
         k = int(k) if k else (args.num_draft_tokens if name != "ar" else None)
         block = (args.block_size or k + 1) if (name == "dflash" and "@" in spec) else args.block_size
         cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=1, num_draft_tokens=k,
-                           lookup_min_match=args.lookup_min_match if assist else 0,
+                           lookup_min_match=args.lookup_min_match if assist else 0, context_vocab=args.context_vocab,
                            program_cache=program_cache, kv_cache_dtype=args.kv_cache_dtype)
         drafter = {"dflash": args.drafter, "eagle3": args.eagle3_drafter}.get(name)
         llms[spec] = LLM(args.model, drafter, name, block, cfg, args.dtype, target=target,
@@ -99,6 +100,7 @@ def cmd_bench(args) -> int:
                          "quant_kernels": target.quantized_kernels,
                          "kernel_activations": target.kernel_activations,
                          "kv_cache_dtype": str(kv_cache_dtype(args.kv_cache_dtype, target.weights)),
+                         "lookup_min_match": args.lookup_min_match, "context_vocab": args.context_vocab,
                          "drafters": {m: llm.drafter_path for m, llm in llms.items() if llm.drafter_path},
                          "command": " ".join(sys.argv)},
               "records": records}
@@ -221,6 +223,7 @@ def register(sub) -> None:
     b.add_argument("--lookup-min-match", type=int, default=4, metavar="N",
                    help="for NAME+lookup methods: the repeated n-gram length at which prompt lookup's drafts replace "
                         "the drafter's block")
+    add_context_vocab_arg(b)
     b.add_argument("--datasets", default=None, help="default gsm8k,math500,humaneval,mbpp,mt_bench")
     b.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 10)")
     b.add_argument("--max-new-tokens", type=int, default=None, help="default 256")

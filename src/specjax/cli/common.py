@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from specjax.config import KV_CACHE_DTYPES
+from specjax.config import KV_CACHE_DTYPES, EngineConfig
 from specjax.kernels import ACTIVATIONS
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")
@@ -45,6 +45,12 @@ def add_lookup_arg(p: argparse.ArgumentParser) -> None:
                         "default: 4 for DFlash and EAGLE-3 at a fixed K on a CPU, else off)")
 
 
+def add_context_vocab_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context-vocab", type=int, default=EngineConfig.context_vocab, metavar="N",
+                   help="a DFlash drafter with a draft vocabulary also drafts each prompt's last N distinct tokens "
+                        "outside it (names, identifiers the answer copies; 0 = off; default %(default)s)")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model directory, .gguf file, or hub name ORG/NAME[@REVISION] (HF cache; HF_HUB_OFFLINE "
@@ -60,6 +66,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="drafts verified per step, <= block_size-1 (default: DFlash at a fixed K, 3 on CPU and "
                         "block_size-1 elsewhere; with adaptive K, the largest option)")
     add_lookup_arg(p)
+    add_context_vocab_arg(p)
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output (tokens)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size (tokens)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],

@@ -25,6 +25,7 @@ def cmd_generate(args) -> int:
     llm = LLM(args.model, args.drafter, args.method, args.block_size,
               EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=1,
                            num_draft_tokens=args.num_draft_tokens, lookup_min_match=args.lookup_min_match,
+                           context_vocab=args.context_vocab,
                            adaptive_k=args.adaptive_k and args.method != "ar", program_cache=program_cache,
                            kv_cache_dtype=args.kv_cache_dtype),
               dtype=args.dtype, seed=args.seed or 0,

@@ -32,6 +32,7 @@ def build_server(args):
     cfg = EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        num_pages=args.num_pages, kv_cache_memory=args.kv_cache_memory,
                        num_draft_tokens=args.num_draft_tokens, lookup_min_match=args.lookup_min_match,
+                       context_vocab=args.context_vocab,
                        adaptive_k=args.adaptive_k and args.method != "ar", prefill_chunk=args.prefill_chunk,
                        page_bucket_factor=args.page_bucket_factor, max_step_programs=args.max_step_programs,
                        program_cache=getattr(args, "program_cache", None), kv_cache_dtype=args.kv_cache_dtype)

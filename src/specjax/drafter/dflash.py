@@ -16,7 +16,9 @@ Two optional specjax extensions of the z-lab format (absent from z-lab checkpoin
 * `draft_ids` [V_d]: a draft vocabulary (sorted target ids).  Drafts are argmax over those rows of the target's
   output head only (`draft_head` [V_d, H], cut once from the target head by `with_draft_head`: its GGUF blocks
   when the target head runs on the CPU kernels), then mapped back to target ids.  Tokens outside it are never
-  drafted, which costs acceptance only when the target writes them.
+  drafted, which costs acceptance only when the target writes them.  Most such tokens in an answer are copied
+  from its prompt (names, identifiers): `propose_tokens` also scores a few context tokens per sequence
+  (`extra_ids`, the engine's EngineConfig.context_vocab) and drafts one wherever it beats the draft vocabulary.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from specjax.model.attention import KVRows, pages_and_new_attention
 from specjax.model.layers import apply_rope, kept, rms_norm, rope_cos_sin, swiglu
 from specjax.model.quant import bf16_matrix, head_product, linear, q8_0_matrix, take_rows
 from specjax.model.target import KVPages
-from specjax.sampling import vocab_major_argmax
+from specjax.sampling import first_argmax, vocab_major_argmax
 
 
 @jax.tree_util.register_dataclass
@@ -170,17 +172,24 @@ def block_hidden(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, x: ja
     return rms_norm(x, weights.norm, cfg.rms_norm_eps)
 
 
+def draft_hidden(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array, bonus: jax.Array,
+                 context_lens: jax.Array, page_table: jax.Array, num_draft_tokens: int, block_size: int,
+                 kernel: str | None = None) -> jax.Array:
+    """Final-normed hidden states [B, K, H] of block slots 1..K; bonus sits at position context_lens (= s, the
+    number of positions already in the drafter context)."""
+    block_pos = context_lens[:, None] + jnp.arange(block_size)[None, :]  # [B, Q]
+    x = block_embeddings(weights, cfg, embed, bonus, block_size)
+    return block_hidden(weights, cfg, dkv, x, block_pos, context_lens, page_table, kernel)[:, 1:1 + num_draft_tokens]
+
+
 def draft_scores(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array, vocab_rows: jax.Array,
                  bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array, num_draft_tokens: int,
                  block_size: int, kernel: str | None = None) -> jax.Array:
     """Vocab-major float32 logits [V_d, B * K] of block slots 1..K through the TARGET's head rows `vocab_rows`
     [V, H] (its draft-vocabulary rows if the drafter has one: `to_target_ids` maps argmax indices back; a
-    QuantMatrix streams its blocks through the CPU kernel).  bonus sits at position context_lens (= s, the number
-    of positions already in the drafter context).  Vocab-major (`head_product`): argmax runs over axis 0 without
-    a transpose."""
-    block_pos = context_lens[:, None] + jnp.arange(block_size)[None, :]  # [B, Q]
-    x = block_embeddings(weights, cfg, embed, bonus, block_size)
-    h = block_hidden(weights, cfg, dkv, x, block_pos, context_lens, page_table, kernel)[:, 1:1 + num_draft_tokens]
+    QuantMatrix streams its blocks through the CPU kernel).  Vocab-major (`head_product`): argmax runs over axis
+    0 without a transpose."""
+    h = draft_hidden(weights, cfg, dkv, embed, bonus, context_lens, page_table, num_draft_tokens, block_size, kernel)
     return head_product(output_rows(weights, vocab_rows), h.reshape(-1, h.shape[-1]))
 
 
@@ -196,9 +205,24 @@ def propose_logits(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, emb
 def propose_tokens(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, embed: jax.Array,
                    vocab_rows: jax.Array, bonus: jax.Array, context_lens: jax.Array, page_table: jax.Array,
                    num_draft_tokens: int, block_size: int, kernel: str | None = None,
-                   argmax_kernel: str | None = None) -> jax.Array:
-    """Greedy drafts [B, K] (target ids): argmax of `draft_scores` (on `argmax_kernel`, TargetWeights')."""
-    scores = draft_scores(weights, cfg, dkv, embed, vocab_rows, bonus, context_lens, page_table, num_draft_tokens,
-                          block_size, kernel)
-    idx = vocab_major_argmax(scores, argmax_kernel).reshape(bonus.shape[0], num_draft_tokens)
-    return to_target_ids(weights, idx)
+                   argmax_kernel: str | None = None, extra_ids: jax.Array | None = None,
+                   extra_rows: jax.Array | None = None) -> jax.Array:
+    """Greedy drafts [B, K] (target ids): argmax of `draft_scores` (on `argmax_kernel`, TargetWeights').
+
+    `extra_ids` [B, E] (target ids outside the draft vocabulary, -1 = none) with `extra_rows` [V, H] (the target
+    head's rows as an array, TargetWeights.vocab_rows): each sequence's drafts are the argmax over the draft
+    vocabulary and its own extra ids together, the extra scores an XLA product of E rows (E is small)."""
+    h = draft_hidden(weights, cfg, dkv, embed, bonus, context_lens, page_table, num_draft_tokens, block_size, kernel)
+    flat = h.reshape(-1, h.shape[-1])
+    scores = head_product(output_rows(weights, vocab_rows), flat)
+    idx = vocab_major_argmax(scores, argmax_kernel)  # [B * K]
+    drafts = to_target_ids(weights, idx).reshape(bonus.shape[0], num_draft_tokens)
+    if extra_ids is None or extra_ids.shape[1] == 0:
+        return drafts
+    best = jnp.take_along_axis(scores, idx[None, :], axis=0)[0].reshape(drafts.shape)  # the draft vocabulary's max
+    rows = extra_rows[jnp.maximum(extra_ids, 0)]  # [B, E, H]
+    extra = jnp.einsum("bkh,beh->bke", h.astype(rows.dtype), rows, preferred_element_type=jnp.float32)
+    extra = jnp.where(extra_ids[:, None, :] >= 0, extra, -jnp.inf)
+    j = first_argmax(extra, axis=-1)  # [B, K]
+    top = jnp.take_along_axis(extra, j[..., None], axis=-1)[..., 0]
+    return jnp.where(top > best, jnp.take_along_axis(extra_ids, j, axis=1), drafts)

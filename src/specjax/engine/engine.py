@@ -34,6 +34,7 @@ from specjax.model.attention import reads_pages_in_place
 from specjax.model.target import ForwardBatch, TargetWeights, init_kv_pages, stacks_pools
 from specjax.parallel import committed, kv_spec, mesh_size, replicate, to_global, to_host, zeros_like_tree
 from specjax.sampling import GREEDY, SamplingParams, sampler_mode
+from specjax.spec.context_vocab import context_ids
 from specjax.spec.lookup import LookupIndex, lookup_min_n
 from specjax.spec.proposer import NoProposer
 
@@ -121,6 +122,9 @@ class LLMEngine:
                               f"({self.proposer.max_draft_tokens}; block_size - 1 for dflash)")
         self.num_draft = k
         self.lookup_min_n = lookup_min_n(self.proposer, config.lookup_min_match, k)  # 0 = no prompt lookup
+        draftable = getattr(self.proposer, "draftable", None)  # a draft vocabulary: the context's tokens beside it
+        self.draftable = draftable(self.pweights) if draftable is not None and k else None
+        self.context_vocab = config.context_vocab if self.draftable is not None else 0
         options = config.k_options if config.k_options is not None else (0, k // 4, k // 2, k)
         if max(options) > k:
             raise ConfigError(f"k_options {options} exceed num_draft_tokens={k}")
@@ -277,7 +281,8 @@ class LLMEngine:
             return batch, np.zeros(b, np.int32), np.zeros((b, n), np.int32), self._sampling([], b)
         zeros = np.zeros(b, np.int32)
         return (runner.DecodeBatch(zeros, zeros, np.full((b, n + 1), -1, np.int32), np.zeros((b, pg), np.int32),
-                                   zeros, np.full((b, n), -1 if self.lookup_min_n else 0, np.int32)),
+                                   zeros, np.full((b, n), -1 if self.lookup_min_n else 0, np.int32),
+                                   np.full((b, self.context_vocab), -1, np.int32) if self.context_vocab else None),
                 self._sampling([], b))
 
     def _build_program(self, shape: StepShape):
@@ -585,7 +590,12 @@ class LLMEngine:
         num_drafts = np.zeros((rows,), np.int32)
         host_drafts = np.zeros((rows, k), np.int32)  # beside prompt lookup: -1 = the drafter's block (decode_step)
         looked_up = np.zeros((rows,), bool)
+        extra_ids = np.full((rows, self.context_vocab), -1, np.int32) if self.context_vocab else None
         for i, seq in enumerate(seqs):
+            if extra_ids is not None:
+                if seq.context_ids is None:
+                    seq.context_ids = context_ids(seq.prompt_ids, self.draftable, self.context_vocab)
+                extra_ids[i] = seq.context_ids
             bonus[i], start[i] = seq.output_ids[-1], seq.start
             slots[i] = self._slots(seq, seq.start + np.arange(k + 1))
             room = self.config.max_model_len - seq.num_tokens - 1  # drafts beyond this could not be stored
@@ -605,7 +615,7 @@ class LLMEngine:
                 else:
                     host_drafts[i] = -1
         table = self._page_table(seqs, shape.batch, shape.pages)
-        inputs = runner.DecodeBatch(bonus, start, slots, table, num_drafts, host_drafts)
+        inputs = runner.DecodeBatch(bonus, start, slots, table, num_drafts, host_drafts, extra_ids)
         t0 = time.perf_counter()
         num_accepted, tokens, drafts, *_ = self._run(shape, program, inputs, self._sampling(seqs, shape.batch))
         num_accepted, tokens = to_host(num_accepted), to_host(tokens)

@@ -39,6 +39,7 @@ class DecodeBatch:
     page_table: jax.Array  # [B, Pg]
     num_drafts: jax.Array  # [B] drafts each sequence may accept (<= K)
     host_drafts: jax.Array  # [B, K] drafts from a host proposer, or prompt lookup's beside a device one (decode_step)
+    extra_ids: jax.Array | None = None  # [B, E] context tokens the proposer may draft beyond `draftable` (-1 = none)
 
 
 @partial(jax.jit, static_argnames=("tcfg", "proposer", "mode"))
@@ -71,6 +72,7 @@ def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch
     step commits tokens[:, :num_accepted + 1].  Target rows go to inputs.slots (rows past the accepted length
     are garbage that later steps overwrite); proposer rows only to the accepted positions.
     """
+    extra = {} if inputs.extra_ids is None else {"extra_ids": inputs.extra_ids}  # (only with `draftable`)
     if num_draft == 0:
         drafts = jnp.zeros((inputs.bonus.shape[0], 0), jnp.int32)
     elif proposer.on_device and lookup:
@@ -78,9 +80,9 @@ def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch
         drafts = jax.lax.cond(
             looked_up.all(), lambda: inputs.host_drafts,
             lambda: jnp.where(looked_up, inputs.host_drafts, proposer.propose(
-                pw, pstate, tw, inputs.bonus, inputs.start, inputs.page_table, num_draft)))
+                pw, pstate, tw, inputs.bonus, inputs.start, inputs.page_table, num_draft, **extra)))
     elif proposer.on_device:
-        drafts = proposer.propose(pw, pstate, tw, inputs.bonus, inputs.start, inputs.page_table, num_draft)
+        drafts = proposer.propose(pw, pstate, tw, inputs.bonus, inputs.start, inputs.page_table, num_draft, **extra)
     else:
         drafts = inputs.host_drafts
     block = jnp.concatenate([inputs.bonus[:, None], drafts], axis=1)  # [B, K + 1]

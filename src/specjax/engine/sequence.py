@@ -60,6 +60,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     lookup: Any = None  # spec/lookup.LookupIndex of the tokens so far, with EngineConfig.lookup_min_match
+    context_ids: Any = None  # spec/context_vocab.context_ids of the prompt, with EngineConfig.context_vocab
 
     @property
     def all_ids(self) -> list[int]:

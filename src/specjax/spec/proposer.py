@@ -13,6 +13,9 @@ functions) whose methods are pure functions of (params, state, inputs):
   verification; rejected and padding rows get slot -1 and are never written).  None = nothing to write.
 * `propose(params, state, target, bonus, start, page_table, num_draft)`  -> int32 drafts [B, num_draft]
   for the tokens after `bonus` (which sits at position `start`).
+* `draftable(params)` (optional)  host bool [V]: the target ids the drafts can take, when that is not all of
+  them (a draft vocabulary); the engine then also passes `propose(..., extra_ids=[B, E])`, each sequence's
+  context tokens outside it (spec/context_vocab.py), which it may draft too.
 * `prepare(params, target)` (optional)  called once by the engine: derived, read-only params (e.g. the draft
   vocabulary's head rows).
 * `pages_in_place(kernel, dtype)`  whether every read of the paged state by `propose` goes to the in-place
@@ -91,10 +94,18 @@ class DFlashProposer:
     def observe(self, params, taps, positions, next_tokens):
         return dflash.observe(params, self.cfg, taps, positions)
 
-    def propose(self, params, state, target, bonus, start, page_table, num_draft):
+    def propose(self, params, state, target, bonus, start, page_table, num_draft, extra_ids=None):
         return dflash.propose_tokens(params, self.cfg, state, target.embed, target.head_matrix, bonus, start,
                                      page_table, num_draft, self.block_size, target.attention_kernel,
-                                     target.argmax_kernel)
+                                     target.argmax_kernel, extra_ids, target.vocab_rows)
+
+    def draftable(self, params) -> np.ndarray | None:
+        """bool [V]: the draft vocabulary, or None when the drafter drafts every id."""
+        if params.draft_ids is None:
+            return None
+        mask = np.zeros(self.cfg.vocab_size, bool)
+        mask[np.asarray(params.draft_ids)] = True
+        return mask
 
     def pages_in_place(self, kernel, dtype) -> bool:
         return reads_pages_in_place(kernel, self.block_size, dtype, self.cfg.head_dim)  # one block of queries

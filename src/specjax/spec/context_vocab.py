@@ -1,0 +1,26 @@
+"""Context vocabulary: the prompt tokens outside a drafter's draft vocabulary that its blocks may draft too.
+
+A draft vocabulary (the 8,192 most frequent answer tokens) misses 2.4-7.5% of the target's answer tokens on the
+held-out prompts, and most of those are copied from the prompt: names, identifiers, rare words.  The drafter's
+hidden state already points at them (its head is the target's), so scoring a few such rows per sequence beside
+the draft vocabulary's drafts them (docs/results/training.md, session 54).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def context_ids(token_ids, draftable: np.ndarray, size: int) -> np.ndarray:
+    """int32 [size]: the last `size` distinct ids of `token_ids` with `draftable[id]` False, the most recent
+    first, padded with -1."""
+    out = np.full(size, -1, np.int32)
+    seen: set[int] = set()
+    for t in reversed(token_ids):
+        t = int(t)
+        if len(seen) == size:
+            break
+        if not draftable[t] and t not in seen:
+            out[len(seen)] = t
+            seen.add(t)
+    return out
