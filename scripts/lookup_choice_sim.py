@@ -79,7 +79,7 @@ def collect(served, method, params, consts, store, k: int, cyclic: bool = False,
     from specjax.train.objective import block_logits
     from specjax.train.simtau import HeldOutSet, leading_matches
 
-    embed, head, t2d, _ = consts
+    embed, head, t2d, *_ = consts
     held = HeldOutSet(served, store, method.tap_indices, method.sim_span, max_len=2048)
     seqs = list(store.sequences())
 

@@ -66,7 +66,7 @@ def main() -> None:
     times, labels = [], []
     for step in range(args.steps + 2):
         tokens, mask, lengths, _, idx = batches.batch(step)
-        extra = method.host_inputs((0, step), mask, lengths)
+        extra = method.host_inputs((0, step), tokens, mask, lengths)
         taps = batch_features(target, tokens, idx, method.tap_indices)
         taps.block_until_ready()
         t0 = time.perf_counter()

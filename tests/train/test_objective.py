@@ -159,6 +159,44 @@ def test_draft_vocabulary_loss_skips_labels_outside_it(setup):
     assert inside.sum() < (wts > 0).sum()  # some labels really were outside
 
 
+def test_context_vocabulary_scores_as_a_draft_vocabulary_holding_those_ids(setup):
+    """A sequence's context ids beside the draft vocabulary (the engine's context vocabulary) give the same loss and
+    simulated acceptance as a draft vocabulary that holds them too, one sequence at a time; labels among them are
+    trained (more weighted labels), the others still skipped."""
+    from specjax.train.objective import scored_labels
+
+    target, _, _, tokens, taps, loss_mask, lengths = setup
+    cfg, weights, _ = extended(setup, False, 0)
+    w = target.weights
+    anchors, keep = sample_anchors(np.random.default_rng(2), loss_mask, lengths, 8, Q)
+    labels, wts = (np.asarray(a) for a in labels_and_weights(jnp.asarray(tokens), jnp.asarray(loss_mask),
+                                                             jnp.asarray(lengths), jnp.asarray(anchors),
+                                                             jnp.asarray(keep), Q, 4.0))
+    for i in range(2):
+        row = slice(i, i + 1)
+        args = (jnp.asarray(tokens[row]), jnp.asarray(taps[row]), jnp.asarray(loss_mask[row]),
+                jnp.asarray(lengths[row]), jnp.asarray(anchors[row]), jnp.asarray(keep[row]))
+        present = np.unique(labels[row][wts[row] > 0])
+        ids = np.sort(np.concatenate([present[::3], [v for v in range(300) if v not in present][:30]]))
+        extra = np.array([[t for t in present if t not in ids][:4] + [-1, -1]], np.int32)  # 4 ids, 2 empty slots
+        union = np.sort(np.concatenate([ids, extra[extra >= 0]]))
+        runs = []
+        for vocab, more in ((ids, (jnp.asarray(extra), w.output_head)), (union, None), (ids, None)):
+            t2d = -np.ones(target.config.vocab_size, np.int32)
+            t2d[vocab] = np.arange(len(vocab))
+            head = w.output_head[:, vocab]
+            loss, aux = dflash_loss(weights, cfg, w.embed, head, *args, block_size=Q, gamma=4.0,
+                                    t2d=jnp.asarray(t2d), extra=more)
+            sim = simulated_acceptance(weights, cfg, w.embed, head, *args, block_size=Q, t2d=jnp.asarray(t2d),
+                                       extra=more)
+            scored = scored_labels(jnp.asarray(labels[row]), jnp.asarray(t2d), more and more[0], len(vocab))
+            runs.append((float(loss), float(aux["acc"]), np.asarray(sim[0]), int((np.asarray(scored) >= 0).sum())))
+        (loss_c, acc_c, sim_c, n_c), (loss_u, acc_u, sim_u, n_u), (_, _, _, n_d) = runs
+        assert loss_c == pytest.approx(loss_u, rel=1e-5) and acc_c == pytest.approx(acc_u, rel=1e-6)
+        np.testing.assert_array_equal(sim_c, sim_u)
+        assert n_c == n_u > n_d  # the context ids' labels are scored, the draft vocabulary alone scores fewer
+
+
 def test_labels_and_weights_match_a_python_loop(setup):
     *_, tokens, _, loss_mask, lengths = setup
     anchors, keep = sample_anchors(np.random.default_rng(9), loss_mask, lengths, 8, Q)

@@ -55,7 +55,7 @@ def test_lr_scale_scales_the_update_of_a_train_step(tiny_dirs, tmp_path):
     batches = SequenceBatches(store, TrainConfig(block_size=4, batch_size=2, max_len=64))
     tokens, mask, lengths, _, idx = batches.batch(0)
     taps = batch_features(target, tokens, idx, method.tap_indices)
-    extra = method.host_inputs((0, 0), mask, lengths)
+    extra = method.host_inputs((0, 0), tokens, mask, lengths)
     consts = method.constants(target)
     for name in ("adamw", "muon"):
         optimizer = make_optimizer(TrainConfig(optimizer=name, schedule="constant", warmup_ratio=0.0, lr=1e-2))[0]

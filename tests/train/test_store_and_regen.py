@@ -373,6 +373,14 @@ def test_train_drafter_draft_vocab_simulated_tau_init_and_time_limit(tiny_dirs, 
     assert "--grow-layers appends layers to a DFlash --init drafter" in err
     _, err = run_cli(common + ["--out", out + "6", "--distill", "1.5"], ok=False)
     assert "--distill 1.5 needs --method dflash and 0 <= weight <= 1" in err
+    # the prompt's tokens outside the draft vocabulary trained beside it (simulated tau scores them by default)
+    run_cli(common + ["--out", out + "11", "--steps", "2", "--draft-vocab-size", "100", "--context-vocab", "8"])
+    config11 = json.load(open(os.path.join(out + "11", "train_config.json")))
+    assert config11["context_vocab"] == 8 and config11["sim_context_vocab"] == 32
+    assert [r["sim_context_vocab"] for r in map(json.loads, open(curve)) if "sim" in r][-1] == 32
+    _, err = run_cli(common + ["--out", out + "12", "--draft-vocab-size", "100", "--context-vocab", "8", "--distill",
+                               "0.5"], ok=False)
+    assert "--distill covers the draft vocabulary only" in err
 
 
 def test_reference_answers_store_like_regenerated_ones_and_merge_with_their_features(tiny_dirs, tmp_path):

@@ -8,6 +8,7 @@ import json
 import sys
 
 from specjax.cli.common import DEFAULT_CACHE, add_quant_kernel_arg, enable_compile_cache
+from specjax.config import EngineConfig
 
 
 def cmd_regenerate(args) -> int:
@@ -15,7 +16,6 @@ def cmd_regenerate(args) -> int:
 
     from tqdm import tqdm
 
-    from specjax.config import EngineConfig
     from specjax.datasets import MULTI_TURN_SOURCES, load_heldout, load_train_prompts
     from specjax.llm import LLM
     from specjax.train.regen import regenerate, store_references
@@ -248,7 +248,8 @@ def cmd_train_drafter(args) -> int:
                                   draft_ids=None if draft_ids is None else tuple(int(i) for i in draft_ids),
                                   init_layers=init_layers, dpace_alpha=cfg.dpace_alpha, distill=cfg.distill,
                                   teacher_tap=target.config.num_layers, teacher_eps=target.config.rms_norm_eps,
-                                  sim_block=args.sim_block_size)
+                                  sim_block=args.sim_block_size, context_vocab=args.context_vocab,
+                                  sim_context_vocab=args.sim_context_vocab)
         except ValueError as e:  # DFlashMethod checks its own settings (e.g. --sim-block-size against the block)
             raise SystemExit(f"error: {e}") from None
     else:
@@ -373,6 +374,13 @@ def register(sub) -> None:
                    help="token store whose responses choose the draft vocabulary (default --data; e.g. the whole "
                         "store when --data is a slice of it)")
     t.add_argument("--sharegpt-file", default=None)
+    t.add_argument("--context-vocab", type=int, default=0, metavar="N",
+                   help="DFlash with a draft vocabulary: also train each answer's labels among its prompt's last N "
+                        "distinct tokens outside the vocabulary, scored beside it as the engine drafts them "
+                        "(EngineConfig.context_vocab; 0 = the draft vocabulary only)")
+    t.add_argument("--sim-context-vocab", type=int, default=EngineConfig.context_vocab, metavar="N",
+                   help="simulated tau drafts with this context vocabulary, as the engine does (default %(default)s; "
+                        "runs before 2026-12-07 simulated 0)")
     t.add_argument("--slot-embedding", action=argparse.BooleanOptionalAction, default=True,
                    help="DFlash: learned per-slot input offsets (optional specjax tensor; z-lab checkpoints lack it)")
     t.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3 training-time-test unrolled steps")

@@ -65,11 +65,13 @@ def block_local_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk, scale):
 
 
 def block_logits(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, tokens, taps, anchors, keep,
-                 block_size: int):
+                 block_size: int, extra=None):
     """Training forward: tokens [Bt, S], taps [Bt, S, F*Ht], anchors/keep [Bt, N] -> logits [Bt, N, Q-1, V].
 
-    `output_head` [H, V] is the target head or its draft-vocabulary rows (then V = V_d).  Padding blocks
-    (keep = False) are computed like the others and weighted 0 by the loss.
+    `output_head` [H, V] is the target head or its draft-vocabulary rows (then V = V_d).  `extra` = (ids [Bt, E],
+    head [H, V]): each sequence's own extra target ids (-1 = none; the engine's context vocabulary,
+    spec/context_vocab.py) scored after those V columns, -inf where -1.  Padding blocks (keep = False) are
+    computed like the others and weighted 0 by the loss.
     """
     del keep  # blocks never see each other, so a padding block cannot disturb a real one
     bt, s = tokens.shape
@@ -96,7 +98,23 @@ def block_logits(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head,
         x = x + o.reshape(bt, n * block_size, -1) @ layer.w_o
         x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
     h = rms_norm(x, weights.norm, cfg.rms_norm_eps).reshape(bt, n, block_size, -1)[:, :, 1:]  # slots 1..Q-1
-    return jnp.einsum("bnkd,dv->bnkv", h, output_head, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bnkd,dv->bnkv", h, output_head, preferred_element_type=jnp.float32)
+    if extra is None:
+        return logits
+    ids, head = extra
+    rows = jnp.take(head, jnp.maximum(ids, 0), axis=1)  # [H, Bt, E]
+    more = jnp.einsum("bnkd,dbe->bnke", h, rows, preferred_element_type=jnp.float32)
+    return jnp.concatenate([logits, jnp.where(ids[:, None, None, :] >= 0, more, -jnp.inf)], axis=-1)
+
+
+def scored_labels(labels, t2d, extra_ids, num_rows: int):
+    """Target-id labels [Bt, N, Q-1] -> columns of `block_logits`: the draft vocabulary's index (`t2d`, or the id
+    itself without one), else num_rows + e where the sequence's extra_ids[e] holds it, else -1 (unscorable)."""
+    out = labels if t2d is None else t2d[labels]
+    if extra_ids is None:
+        return out
+    match = (labels[..., None] == extra_ids[:, None, None, :]) & (extra_ids[:, None, None, :] >= 0)
+    return jnp.where((out < 0) & match.any(-1), num_rows + jnp.argmax(match, axis=-1), out)
 
 
 def labels_and_weights(tokens, loss_mask, lengths, anchors, keep, block_size: int, gamma: float):
@@ -138,7 +156,7 @@ def teacher_logits(final_hidden, final_norm, eps: float, output_head, anchors, b
 
 def dflash_loss(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, tokens, taps, loss_mask, lengths,
                 anchors, keep, block_size: int, gamma: float, t2d=None, dpace_alpha: float | None = None,
-                teacher=None, distill: float = 0.0):
+                teacher=None, distill: float = 0.0, extra=None):
     """Weighted cross-entropy (sum w * CE / sum w) and unweighted accuracy / per-slot accuracy over the mask.
 
     With a draft vocabulary, `output_head` holds its rows [H, V_d] and `t2d` [V] maps target ids to draft
@@ -147,12 +165,16 @@ def dflash_loss(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, 
     `teacher` [Bt, N, Q-1, V(_d)] (`teacher_logits`) with `distill` in (0, 1]: each slot's loss becomes
     (1 - distill) * CE(label) + distill * KL(softmax(teacher) || drafter), the target's whole next-token
     distribution (over the draft vocabulary when there is one) as a soft label, under the same slot weights.
+    `extra` (`block_logits`): each sequence's context-vocabulary ids are scored beside the draft vocabulary, so
+    their labels are trained too (not with `teacher`, whose distribution covers the draft vocabulary only).
     """
-    logits = block_logits(weights, cfg, embed, output_head, tokens, taps, anchors, keep, block_size)
+    if extra is not None and teacher is not None:
+        raise ValueError("distillation covers the draft vocabulary only: train a context vocabulary without it")
+    logits = block_logits(weights, cfg, embed, output_head, tokens, taps, anchors, keep, block_size, extra)
     labels, w = labels_and_weights(tokens, loss_mask, lengths, anchors, keep, block_size, gamma)
     valid = (w > 0).astype(jnp.float32)
-    if t2d is not None:
-        labels = t2d[labels]
+    if t2d is not None or extra is not None:
+        labels = scored_labels(labels, t2d, None if extra is None else extra[0], output_head.shape[1])
         w = jnp.where(labels >= 0, w, 0.0)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
@@ -172,15 +194,15 @@ def dflash_loss(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, 
 
 
 def simulated_acceptance(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head, tokens, taps, loss_mask,
-                         lengths, anchors, keep, block_size: int, t2d=None):
+                         lengths, anchors, keep, block_size: int, t2d=None, extra=None):
     """Teacher-forced speculative acceptance: for each anchor, the number of leading slots whose argmax equals
     the target's own next tokens (greedy answers), i.e. what verification would accept with a block drafted
-    from the true context.  -> (accepted [Bt, N] int32, counted [Bt, N] bool: anchors with a full block inside
-    the response)."""
-    logits = block_logits(weights, cfg, embed, output_head, tokens, taps, anchors, keep, block_size)
+    from the true context (`extra`: with each sequence's context vocabulary, as the engine drafts).
+    -> (accepted [Bt, N] int32, counted [Bt, N] bool: anchors with a full block inside the response)."""
+    logits = block_logits(weights, cfg, embed, output_head, tokens, taps, anchors, keep, block_size, extra)
     labels, w = labels_and_weights(tokens, loss_mask, lengths, anchors, keep, block_size, 1.0)
-    if t2d is not None:
-        labels = t2d[labels]
+    if t2d is not None or extra is not None:
+        labels = scored_labels(labels, t2d, None if extra is None else extra[0], output_head.shape[1])
     hit = (jnp.argmax(logits, -1) == labels) & (w > 0)
     accepted = jnp.cumprod(hit.astype(jnp.int32), axis=-1).sum(-1)
     return accepted, (w > 0).all(-1)

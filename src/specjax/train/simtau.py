@@ -20,8 +20,9 @@ from specjax.train.store import TokenStore
 
 
 @partial(jax.jit, static_argnames=("method",))
-def _simulate(params, consts, tokens, taps, mask, lengths, anchors, keep, *, method):
-    return method.simulate(params, consts, tokens, taps, mask, lengths, anchors, keep)
+def _simulate(params, consts, tokens, taps, mask, lengths, anchors, keep, context=None, *, method):
+    more = () if context is None else (context,)  # a DFlash drafter's context vocabulary (sim_context_vocab)
+    return method.simulate(params, consts, tokens, taps, mask, lengths, anchors, keep, *more)
 
 
 class HeldOutSet:
@@ -72,8 +73,11 @@ class HeldOutSet:
     def accepted_per_anchor(self, method, params, consts) -> list[np.ndarray]:
         """Per held-out sequence, the drafts accepted at each anchor (answer position order)."""
         out = []
+        size = getattr(method, "sim_context_vocab", 0)
         for c, arrays in enumerate(self.chunks):
-            accepted, counted = (np.asarray(a) for a in _simulate(params, consts, *arrays, method=method))
+            context = method.context_ids(arrays[0], arrays[2], size) if size else None
+            context = None if context is None else jnp.asarray(context)
+            accepted, counted = (np.asarray(a) for a in _simulate(params, consts, *arrays, context, method=method))
             out += [accepted[r][counted[r]] for r in range(accepted.shape[0])
                     if self.sources[c * accepted.shape[0] + r] is not None]
         return out

@@ -25,6 +25,7 @@ from specjax.config import DrafterConfig, EngineConfig, ModelConfig
 from specjax.drafter.eagle3 import Eagle3Config
 from specjax.drafter.loader import load_drafter, save_drafter
 from specjax.model import target as tgt
+from specjax.spec.context_vocab import context_ids
 from specjax.train.objective import dflash_loss, sample_anchors, simulated_acceptance, teacher_logits
 from specjax.train.store import TokenStore
 
@@ -291,10 +292,18 @@ class DFlashMethod:
     teacher_tap: int | None = None  # hidden-state index of the target's last layer (its num_layers), for distill
     teacher_eps: float = 1e-6  # the target's rms_norm_eps (its final norm)
     sim_block: int | None = None  # block simulated tau drafts (anchor included; default block_size)
+    # with a draft vocabulary: each sequence's last N distinct prompt tokens outside it scored beside it, as the
+    # engine drafts them (EngineConfig.context_vocab): in the loss (context_vocab) and in simulated tau (sim_...)
+    context_vocab: int = 0
+    sim_context_vocab: int = 0
 
     def __post_init__(self):
         if self.distill and self.teacher_tap is None:
             raise ValueError("distillation needs teacher_tap (the target's num_layers)")
+        if self.distill and self.context_vocab:
+            raise ValueError("--distill covers the draft vocabulary only: it cannot train --context-vocab")
+        if self.context_vocab < 0 or self.sim_context_vocab < 0:
+            raise ValueError("--context-vocab and --sim-context-vocab must be >= 0")
         if self.sim_block is not None and not 2 <= self.sim_block <= self.block_size:
             raise ValueError(f"--sim-block-size {self.sim_block} must be in [2, the training block "
                              f"{self.block_size}]")
@@ -337,30 +346,44 @@ class DFlashMethod:
         head = target.weights.output_head
         final_norm = target.weights.final_norm if self.distill else None
         if self.draft_ids is None:
-            return (target.weights.embed, head, None, final_norm)
+            return (target.weights.embed, head, None, final_norm, None)
         ids = np.asarray(self.draft_ids)
         t2d = -np.ones(self.dcfg.vocab_size, np.int32)
         t2d[ids] = np.arange(len(ids))
-        return (target.weights.embed, jnp.take(head, jnp.asarray(ids), axis=1), jnp.asarray(t2d), final_norm)
+        full = head if self.context_vocab or self.sim_context_vocab else None  # the context vocabulary's rows
+        return (target.weights.embed, jnp.take(head, jnp.asarray(ids), axis=1), jnp.asarray(t2d), final_norm, full)
 
-    def host_inputs(self, step_seed, mask, lengths):
+    def context_ids(self, tokens, mask, size: int) -> np.ndarray | None:
+        """Host int32 [Bt, size]: each row's context vocabulary (its prompt = the tokens before the first loss
+        position), or None without a draft vocabulary or with size 0."""
+        if self.draft_ids is None or not size:
+            return None
+        draftable = np.zeros(self.dcfg.vocab_size, bool)
+        draftable[np.asarray(self.draft_ids)] = True
+        tokens, mask = np.asarray(tokens), np.asarray(mask)
+        return np.stack([context_ids(t[:int(np.argmax(m)) if m.any() else 0], draftable, size)
+                         for t, m in zip(tokens, mask)])
+
+    def host_inputs(self, step_seed, tokens, mask, lengths):
         anchors, keep = sample_anchors(np.random.default_rng(step_seed), mask, lengths, self.num_anchors,
                                        self.block_size)
-        return (jnp.asarray(anchors), jnp.asarray(keep))
+        ids = self.context_ids(tokens, mask, self.context_vocab)
+        return (jnp.asarray(anchors), jnp.asarray(keep)) + (() if ids is None else (jnp.asarray(ids),))
 
     def loss(self, params, consts, tokens, taps, mask, lengths, extra):
-        embed, head, t2d, final_norm = consts
+        embed, head, t2d, final_norm, full = consts
         taps, final_hidden = self.split_taps(taps)
         teacher = None
         if final_hidden is not None:
             teacher = teacher_logits(final_hidden, final_norm, self.teacher_eps, head, extra[0], self.block_size)
-        return dflash_loss(params, self.dcfg, embed, head, tokens, taps, mask, lengths, *extra, self.block_size,
-                           self.gamma, t2d, self.dpace_alpha, teacher, self.distill)
+        context = (extra[2], full) if len(extra) > 2 else None
+        return dflash_loss(params, self.dcfg, embed, head, tokens, taps, mask, lengths, *extra[:2], self.block_size,
+                           self.gamma, t2d, self.dpace_alpha, teacher, self.distill, context)
 
-    def simulate(self, params, consts, tokens, taps, mask, lengths, anchors, keep):
-        embed, head, t2d, _ = consts
+    def simulate(self, params, consts, tokens, taps, mask, lengths, anchors, keep, context=None):
+        embed, head, t2d, _, full = consts
         return simulated_acceptance(params, self.dcfg, embed, head, tokens, self.split_taps(taps)[0], mask, lengths,
-                                    anchors, keep, self.sim_span, t2d)
+                                    anchors, keep, self.sim_span, t2d, None if context is None else (context, full))
 
     def full(self, params):
         """Trainable params -> a complete drafter (the draft vocabulary attached)."""
@@ -427,7 +450,7 @@ class Eagle3Method:
         t2d[np.asarray(self.draft_ids)] = np.arange(len(self.draft_ids))
         return (target.weights.embed, jnp.asarray(t2d))
 
-    def host_inputs(self, step_seed, mask, lengths):
+    def host_inputs(self, step_seed, tokens, mask, lengths):
         return ()
 
     def loss(self, params, consts, tokens, taps, mask, lengths, extra):
@@ -618,6 +641,8 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
         json.dump({"method": method.name, "train": dataclasses.asdict(cfg), "data": store.path,
                    "features": features.path if features is not None else "online", "init_from": init_from,
                    "feature_kernels": served.kernel_activations,
+                   "context_vocab": getattr(method, "context_vocab", 0),
+                   "sim_context_vocab": getattr(method, "sim_context_vocab", 0),
                    "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens,
                    "data_parallel_devices": [str(d) for d in (mesh.devices.flat if mesh is not None else [])]},
                   fh, indent=1)
@@ -637,7 +662,7 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     def simulate(step):
         sim = heldout.evaluate(method, on_one_device(params), eval_consts)
         write({"step": step, "hours": hours0 + (time.perf_counter() - t_start) / 3600, "sim": sim,
-               "sim_block": method.sim_span})
+               "sim_block": method.sim_span, "sim_context_vocab": getattr(method, "sim_context_vocab", 0)})
         bar.write(f"step {step}: simulated tau(K={len(sim['all']['tau'])}) = {sim['all']['tau'][-1]:.3f}, "
                   f"tau(3) = {sim['all']['tau'][min(2, len(sim['all']['tau']) - 1)]:.3f}")
         summary["sim"] = sim
@@ -655,7 +680,7 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     t_first = None  # end of this run's first step: the cosine-time schedule runs from there to the deadline
     for step in range(step0, cfg.steps):
         tokens, mask, lengths, epoch, idx = batches.batch(step)
-        extra = method.host_inputs((cfg.seed, step), mask, lengths)
+        extra = method.host_inputs((cfg.seed, step), tokens, mask, lengths)
         taps = batch_features(served, tokens, idx, method.tap_indices, features)
         inputs = shard_batch((jnp.asarray(tokens), taps, jnp.asarray(mask), jnp.asarray(lengths), extra), mesh)
         scale = 1.0
