@@ -6,7 +6,8 @@ tau at K = block - 1 with: the drafter's own vocabulary; that vocabulary grown b
 answer tokens (`--sizes`, 0 = the whole vocabulary); and the engine's context vocabulary (spec/context_vocab.py:
 each sequence's last N distinct prompt tokens outside the vocabulary, `--context N`, padded to N with tokens no
 stored answer holds so that one shape compiles).  The taps are the target's as inference runs it (the GGUF on the
-int8 kernels).  Prints one JSON line per setting.
+int8 kernels).  Prints one JSON line per setting, with slot 1's hit rate over every anchor by where its label lies
+(in the draft vocabulary, in the prompt outside it, neither).
 
   python scripts/context_vocab_sim.py --heldout data/heldout-smollm2 --sizes 16384,0 --context 4,8,16,32
   python scripts/context_vocab_sim.py --bench docs/results/bench/bench.json --context 32
@@ -74,16 +75,31 @@ def main() -> None:
 
     def report(name, ids_of):
         walks, sources = [], []
+        slot1 = {"draft vocabulary": [0, 0], "prompt outside it": [0, 0], "neither": [0, 0]}  # [hits, anchors]
+        outside: dict[str, list[bool]] = {}  # per source: is slot 1's label outside the draft vocabulary?
         for c, arrays in enumerate(held.chunks):
             rec, toks = seqs[held.indices[c]]
-            method = DFlashMethod(dcfg, dcfg.block_size, 1, 4.0, draft_ids=ids_of(rec, toks))
-            accepted, counted = (np.asarray(a) for a in _simulate(params, method.constants(target), *arrays,
-                                                                  method=own))
-            walks.append(accepted[0][counted[0]])
+            ids = ids_of(rec, toks)
+            method = DFlashMethod(dcfg, dcfg.block_size, 1, 4.0, draft_ids=ids)
+            accepted, counted = (np.asarray(a)[0] for a in _simulate(params, method.constants(target), *arrays,
+                                                                     method=own))
+            walks.append(accepted[counted])
             sources.append(rec["source"])
+            prompt = set(int(t) for t in toks[:rec["prompt_len"]])
+            for a, n in zip(np.asarray(arrays[4])[0][counted], accepted[counted]):  # slot 1's label: toks[a + 1]
+                label = int(toks[a + 1])
+                kind = ("draft vocabulary" if draftable[label] else
+                        "prompt outside it" if label in prompt else "neither")
+                slot1[kind][0] += int(n >= 1)
+                slot1[kind][1] += 1
+                outside.setdefault(rec["source"], []).append(not draftable[label])
         out = {"setting": name, "k": k}
         for s in sorted(set(sources)) + ["all"]:
             out[s] = round(block_start_tau([a for a, t in zip(walks, sources) if s in ("all", t)], k), 4)
+        anchors = sum(v[1] for v in slot1.values())
+        out["slot1_by_label"] = {kind: {"share": round(v[1] / anchors, 4), "hit": round(v[0] / max(v[1], 1), 3)}
+                                 for kind, v in slot1.items()}
+        out["labels_outside_draft_vocabulary"] = {src: round(float(np.mean(v)), 4) for src, v in outside.items()}
         print(json.dumps(out), flush=True)
 
     report("draft vocabulary", lambda rec, toks: tuple(int(i) for i in base))
@@ -95,7 +111,7 @@ def main() -> None:
     order = [int(i) for i in np.argsort(-counts, kind="stable") if not draftable[i]]
     for size in (int(s) for s in args.sizes.split(",") if s):
         grown = None if size == 0 else tuple(sorted(int(i) for i in np.concatenate([base, order[:size - len(base)]])))
-        report(f"vocabulary of {size or 'every'} tokens", lambda rec, toks, g=grown: g)
+        report(f"vocabulary of {size or 'all'} tokens", lambda rec, toks, g=grown: g)
     unused = [i for i in order[::-1] if counts[i] == 0]  # padding: tokens no stored answer holds
     for n in (int(s) for s in args.context.split(",") if s):
         def with_context(rec, toks, n=n):  # padded to one size (one compiled shape) with never-written tokens
