@@ -46,7 +46,9 @@ def main() -> None:
     if args.method == "dflash":
         dcfg, w = load_drafter(args.drafter, target.config)
         ids = None if w.draft_ids is None else tuple(int(i) for i in np.asarray(w.draft_ids))
-        method = DFlashMethod(dcfg, dcfg.block_size, 1, 4.0, draft_ids=ids)
+        # the engine drafted with the prompt's tokens beside the draft vocabulary (bench runs before it: 0)
+        method = DFlashMethod(dcfg, dcfg.block_size, 1, 4.0, draft_ids=ids,
+                              sim_context_vocab=config.get("context_vocab", 0))
     else:
         from specjax.drafter.eagle3_loader import load_eagle3
 

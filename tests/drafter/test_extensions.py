@@ -124,6 +124,15 @@ def test_context_ids_are_the_latest_distinct_undraftable_tokens():
     assert context_ids([7], draftable, 0).shape == (0,)
 
 
+def test_slot_embeddings_forbid_a_larger_block(setup):
+    from specjax.config import ConfigError
+
+    _, cfg, _, _ = setup
+    DFlashProposer(cfg, 4)  # smaller blocks use the first slots
+    with pytest.raises(ConfigError, match="block_size=16 exceeds the drafter's 8"):
+        DFlashProposer(cfg, 16)
+
+
 def test_random_drafter_spec_with_a_draft_vocabulary(setup):
     from specjax.config import ConfigError
     from specjax.llm import build_proposer

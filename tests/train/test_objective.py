@@ -160,9 +160,10 @@ def test_draft_vocabulary_loss_skips_labels_outside_it(setup):
 
 
 def test_context_vocabulary_scores_as_a_draft_vocabulary_holding_those_ids(setup):
-    """A sequence's context ids beside the draft vocabulary (the engine's context vocabulary) give the same loss and
-    simulated acceptance as a draft vocabulary that holds them too, one sequence at a time; labels among them are
-    trained (more weighted labels), the others still skipped."""
+    """Each sequence's context ids beside the draft vocabulary (the engine's context vocabulary) give the same loss
+    and simulated acceptance as a draft vocabulary that holds that sequence's ids too; labels among them are
+    trained (more weighted labels), the others still skipped.  Both sequences run in one batch with different ids
+    (a mixed-up batch axis would score one sequence's ids for the other)."""
     from specjax.train.objective import scored_labels
 
     target, _, _, tokens, taps, loss_mask, lengths = setup
@@ -172,29 +173,37 @@ def test_context_vocabulary_scores_as_a_draft_vocabulary_holding_those_ids(setup
     labels, wts = (np.asarray(a) for a in labels_and_weights(jnp.asarray(tokens), jnp.asarray(loss_mask),
                                                              jnp.asarray(lengths), jnp.asarray(anchors),
                                                              jnp.asarray(keep), Q, 4.0))
+    present = np.unique(labels[wts > 0])
+    ids = np.sort(np.concatenate([present[::3], [v for v in range(300) if v not in present][:30]]))
+    extra = np.full((2, 6), -1, np.int32)  # up to 4 ids per sequence, its own, and empty slots
     for i in range(2):
-        row = slice(i, i + 1)
-        args = (jnp.asarray(tokens[row]), jnp.asarray(taps[row]), jnp.asarray(loss_mask[row]),
-                jnp.asarray(lengths[row]), jnp.asarray(anchors[row]), jnp.asarray(keep[row]))
-        present = np.unique(labels[row][wts[row] > 0])
-        ids = np.sort(np.concatenate([present[::3], [v for v in range(300) if v not in present][:30]]))
-        extra = np.array([[t for t in present if t not in ids][:4] + [-1, -1]], np.int32)  # 4 ids, 2 empty slots
-        union = np.sort(np.concatenate([ids, extra[extra >= 0]]))
-        runs = []
-        for vocab, more in ((ids, (jnp.asarray(extra), w.output_head)), (union, None), (ids, None)):
-            t2d = -np.ones(target.config.vocab_size, np.int32)
-            t2d[vocab] = np.arange(len(vocab))
-            head = w.output_head[:, vocab]
-            loss, aux = dflash_loss(weights, cfg, w.embed, head, *args, block_size=Q, gamma=4.0,
-                                    t2d=jnp.asarray(t2d), extra=more)
-            sim = simulated_acceptance(weights, cfg, w.embed, head, *args, block_size=Q, t2d=jnp.asarray(t2d),
-                                       extra=more)
-            scored = scored_labels(jnp.asarray(labels[row]), jnp.asarray(t2d), more and more[0], len(vocab))
-            runs.append((float(loss), float(aux["acc"]), np.asarray(sim[0]), int((np.asarray(scored) >= 0).sum())))
-        (loss_c, acc_c, sim_c, n_c), (loss_u, acc_u, sim_u, n_u), (_, _, _, n_d) = runs
-        assert loss_c == pytest.approx(loss_u, rel=1e-5) and acc_c == pytest.approx(acc_u, rel=1e-6)
-        np.testing.assert_array_equal(sim_c, sim_u)
-        assert n_c == n_u > n_d  # the context ids' labels are scored, the draft vocabulary alone scores fewer
+        own = [t for t in np.unique(labels[i][wts[i] > 0]) if t not in ids][i::2][:4]
+        assert own
+        extra[i, :len(own)] = own
+    assert set(extra[0][extra[0] >= 0]) != set(extra[1][extra[1] >= 0])
+
+    def run(vocab, rows, more):
+        t2d = -np.ones(target.config.vocab_size, np.int32)
+        t2d[vocab] = np.arange(len(vocab))
+        args = (jnp.asarray(tokens[rows]), jnp.asarray(taps[rows]), jnp.asarray(loss_mask[rows]),
+                jnp.asarray(lengths[rows]), jnp.asarray(anchors[rows]), jnp.asarray(keep[rows]))
+        head = w.output_head[:, vocab]
+        loss, aux = dflash_loss(weights, cfg, w.embed, head, *args, block_size=Q, gamma=4.0, t2d=jnp.asarray(t2d),
+                                extra=more)
+        sim = simulated_acceptance(weights, cfg, w.embed, head, *args, block_size=Q, t2d=jnp.asarray(t2d),
+                                   extra=more)
+        scored = scored_labels(jnp.asarray(labels[rows]), jnp.asarray(t2d), more and more[0], len(vocab))
+        return float(loss), np.asarray(sim[0]), (np.asarray(scored) >= 0).sum(axis=(1, 2))
+
+    batched = run(ids, slice(0, 2), (jnp.asarray(extra), w.vocab_rows))
+    for i in range(2):
+        union = np.sort(np.concatenate([ids, extra[i][extra[i] >= 0]]))
+        one = run(ids, slice(i, i + 1), (jnp.asarray(extra[i:i + 1]), w.vocab_rows))
+        wide, plain = run(union, slice(i, i + 1), None), run(ids, slice(i, i + 1), None)
+        assert one[0] == pytest.approx(wide[0], rel=1e-5)
+        np.testing.assert_array_equal(batched[1][i], wide[1][0])
+        np.testing.assert_array_equal(one[1][0], wide[1][0])
+        assert batched[2][i] == wide[2][0] > plain[2][0]  # the context ids' labels are scored, not the others
 
 
 def test_labels_and_weights_match_a_python_loop(setup):

@@ -381,6 +381,8 @@ def test_train_drafter_draft_vocab_simulated_tau_init_and_time_limit(tiny_dirs, 
     _, err = run_cli(common + ["--out", out + "12", "--draft-vocab-size", "100", "--context-vocab", "8", "--distill",
                                "0.5"], ok=False)
     assert "--distill covers the draft vocabulary only" in err
+    _, err = run_cli(common + ["--out", out + "13", "--draft-vocab-size", "0", "--context-vocab", "8"], ok=False)
+    assert "--context-vocab scores tokens outside a draft vocabulary" in err
 
 
 def test_reference_answers_store_like_regenerated_ones_and_merge_with_their_features(tiny_dirs, tmp_path):

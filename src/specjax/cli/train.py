@@ -243,6 +243,9 @@ def cmd_train_drafter(args) -> int:
                                       slot_embedding=args.slot_embedding,
                                       draft_vocab_size=0 if draft_ids is None else len(draft_ids))
         init_layers = tuple(int(x) for x in args.init_target_layers.split(",")) if args.init_target_layers else None
+        if args.context_vocab and draft_ids is None:
+            raise SystemExit("error: --context-vocab scores tokens outside a draft vocabulary: give "
+                             "--draft-vocab-size > 0 (or an --init drafter that has one)")
         try:
             method = DFlashMethod(dcfg, cfg.block_size, args.num_anchors, cfg.decay,
                                   draft_ids=None if draft_ids is None else tuple(int(i) for i in draft_ids),
@@ -257,6 +260,8 @@ def cmd_train_drafter(args) -> int:
 
         if args.init:
             raise SystemExit("error: --init is for DFlash drafters (EAGLE-3 runs resume with --resume)")
+        if args.context_vocab:
+            raise SystemExit("error: --context-vocab is for DFlash drafters (EAGLE-3 drafts from its own head)")
         if draft_ids is None:
             import numpy as np
 

@@ -211,7 +211,9 @@ def propose_tokens(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, emb
 
     `extra_ids` [B, E] (target ids outside the draft vocabulary, -1 = none) with `extra_rows` [V, H] (the target
     head's rows as an array, TargetWeights.vocab_rows): each sequence's drafts are the argmax over the draft
-    vocabulary and its own extra ids together, the extra scores an XLA product of E rows (E is small)."""
+    vocabulary and its own extra ids together, the extra scores an XLA product of E rows (E is small).  An extra
+    id wins only by a strictly larger score.  Where the head runs on the int8-activation kernel its scores round
+    the activations and the extra ones do not, so a near-tie may go either way: drafts only, verification decides."""
     h = draft_hidden(weights, cfg, dkv, embed, bonus, context_lens, page_table, num_draft_tokens, block_size, kernel)
     flat = h.reshape(-1, h.shape[-1])
     scores = head_product(output_rows(weights, vocab_rows), flat)
@@ -220,8 +222,8 @@ def propose_tokens(weights: DFlashWeights, cfg: DrafterConfig, dkv: KVPages, emb
     if extra_ids is None or extra_ids.shape[1] == 0:
         return drafts
     best = jnp.take_along_axis(scores, idx[None, :], axis=0)[0].reshape(drafts.shape)  # the draft vocabulary's max
-    rows = extra_rows[jnp.maximum(extra_ids, 0)]  # [B, E, H]
-    extra = jnp.einsum("bkh,beh->bke", h.astype(rows.dtype), rows, preferred_element_type=jnp.float32)
+    rows = extra_rows[jnp.maximum(extra_ids, 0)].astype(h.dtype)  # [B, E, H]
+    extra = jnp.einsum("bkh,beh->bke", h, rows, preferred_element_type=jnp.float32)
     extra = jnp.where(extra_ids[:, None, :] >= 0, extra, -jnp.inf)
     j = first_argmax(extra, axis=-1)  # [B, K]
     top = jnp.take_along_axis(extra, j[..., None], axis=-1)[..., 0]

@@ -108,7 +108,8 @@ class LLMEngine:
         self.tcfg, self.tweights, self.mesh = tcfg, tweights, mesh
         self.proposer = proposer or NoProposer()
         prepare = getattr(self.proposer, "prepare", None)
-        self.pweights = replicate(prepare(pweights, tweights) if prepare is not None else pweights, mesh)
+        prepared = prepare(pweights, tweights) if prepare is not None else pweights
+        self.pweights = replicate(prepared, mesh)
         config = config or EngineConfig()
         if config.kv_cache_memory:
             config = pool_from_budget(config, tcfg, self.proposer, tweights)
@@ -122,8 +123,10 @@ class LLMEngine:
                               f"({self.proposer.max_draft_tokens}; block_size - 1 for dflash)")
         self.num_draft = k
         self.lookup_min_n = lookup_min_n(self.proposer, config.lookup_min_match, k)  # 0 = no prompt lookup
-        draftable = getattr(self.proposer, "draftable", None)  # a draft vocabulary: the context's tokens beside it
-        self.draftable = draftable(self.pweights) if draftable is not None and k else None
+        # a draft vocabulary: the prompt's tokens outside it scored beside it (read from the weights before they
+        # were laid out on a mesh, which may span other processes' devices)
+        draftable = getattr(self.proposer, "draftable", None)
+        self.draftable = (draftable(prepared) if draftable is not None and k and config.context_vocab else None)
         self.context_vocab = config.context_vocab if self.draftable is not None else 0
         options = config.k_options if config.k_options is not None else (0, k // 4, k // 2, k)
         if max(options) > k:

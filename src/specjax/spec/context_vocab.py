@@ -11,6 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 
+def draft_mask(draft_ids, vocab_size: int) -> np.ndarray:
+    """bool [vocab_size]: True at the draft vocabulary's ids."""
+    mask = np.zeros(vocab_size, bool)
+    mask[np.asarray(draft_ids)] = True
+    return mask
+
+
 def context_ids(token_ids, draftable: np.ndarray, size: int) -> np.ndarray:
     """int32 [size]: the last `size` distinct ids of `token_ids` with `draftable[id]` False, the most recent
     first, padded with -1."""

@@ -38,6 +38,7 @@ from specjax.drafter.eagle3 import Eagle3Config
 from specjax.model.attention import reads_pages_in_place
 from specjax.model.stack import stack_layers, stackable
 from specjax.model.target import init_kv_pages
+from specjax.spec.context_vocab import draft_mask
 from specjax.spec.lookup import copy_after
 
 
@@ -101,11 +102,7 @@ class DFlashProposer:
 
     def draftable(self, params) -> np.ndarray | None:
         """bool [V]: the draft vocabulary, or None when the drafter drafts every id."""
-        if params.draft_ids is None:
-            return None
-        mask = np.zeros(self.cfg.vocab_size, bool)
-        mask[np.asarray(params.draft_ids)] = True
-        return mask
+        return None if params.draft_ids is None else draft_mask(params.draft_ids, self.cfg.vocab_size)
 
     def pages_in_place(self, kernel, dtype) -> bool:
         return reads_pages_in_place(kernel, self.block_size, dtype, self.cfg.head_dim)  # one block of queries

@@ -69,9 +69,9 @@ def block_logits(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head,
     """Training forward: tokens [Bt, S], taps [Bt, S, F*Ht], anchors/keep [Bt, N] -> logits [Bt, N, Q-1, V].
 
     `output_head` [H, V] is the target head or its draft-vocabulary rows (then V = V_d).  `extra` = (ids [Bt, E],
-    head [H, V]): each sequence's own extra target ids (-1 = none; the engine's context vocabulary,
-    spec/context_vocab.py) scored after those V columns, -inf where -1.  Padding blocks (keep = False) are
-    computed like the others and weighted 0 by the loss.
+    rows [V_all, H]: the target head's rows, TargetWeights.vocab_rows): each sequence's own extra target ids (-1 =
+    none; the engine's context vocabulary, spec/context_vocab.py) scored after those V columns, -inf where -1.
+    Padding blocks (keep = False) are computed like the others and weighted 0 by the loss.
     """
     del keep  # blocks never see each other, so a padding block cannot disturb a real one
     bt, s = tokens.shape
@@ -101,9 +101,9 @@ def block_logits(weights: DFlashWeights, cfg: DrafterConfig, embed, output_head,
     logits = jnp.einsum("bnkd,dv->bnkv", h, output_head, preferred_element_type=jnp.float32)
     if extra is None:
         return logits
-    ids, head = extra
-    rows = jnp.take(head, jnp.maximum(ids, 0), axis=1)  # [H, Bt, E]
-    more = jnp.einsum("bnkd,dbe->bnke", h, rows, preferred_element_type=jnp.float32)
+    ids, rows = extra
+    more = jnp.einsum("bnkd,bed->bnke", h, jnp.take(rows, jnp.maximum(ids, 0), axis=0).astype(h.dtype),
+                      preferred_element_type=jnp.float32)
     return jnp.concatenate([logits, jnp.where(ids[:, None, None, :] >= 0, more, -jnp.inf)], axis=-1)
 
 

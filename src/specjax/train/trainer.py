@@ -25,7 +25,7 @@ from specjax.config import DrafterConfig, EngineConfig, ModelConfig
 from specjax.drafter.eagle3 import Eagle3Config
 from specjax.drafter.loader import load_drafter, save_drafter
 from specjax.model import target as tgt
-from specjax.spec.context_vocab import context_ids
+from specjax.spec.context_vocab import context_ids, draft_mask
 from specjax.train.objective import dflash_loss, sample_anchors, simulated_acceptance, teacher_logits
 from specjax.train.store import TokenStore
 
@@ -117,6 +117,13 @@ class SequenceBatches:
             mask[r, p:len(t)] = True
             lengths[r] = len(t)
         return tokens, mask, lengths, epoch, [i for _, _, i in picked]
+
+
+def effective_context_vocab(method, sim: bool = False) -> int:
+    """The context vocabulary a method scores in its loss (or simulated tau): 0 without a draft vocabulary."""
+    if getattr(method, "draft_ids", None) is None:
+        return 0
+    return method.sim_context_vocab if sim else method.context_vocab
 
 
 @partial(jax.jit, static_argnames=("tcfg", "tap_indices"))
@@ -350,16 +357,15 @@ class DFlashMethod:
         ids = np.asarray(self.draft_ids)
         t2d = -np.ones(self.dcfg.vocab_size, np.int32)
         t2d[ids] = np.arange(len(ids))
-        full = head if self.context_vocab or self.sim_context_vocab else None  # the context vocabulary's rows
-        return (target.weights.embed, jnp.take(head, jnp.asarray(ids), axis=1), jnp.asarray(t2d), final_norm, full)
+        rows = target.weights.vocab_rows if self.context_vocab or self.sim_context_vocab else None  # [V, H]
+        return (target.weights.embed, jnp.take(head, jnp.asarray(ids), axis=1), jnp.asarray(t2d), final_norm, rows)
 
     def context_ids(self, tokens, mask, size: int) -> np.ndarray | None:
         """Host int32 [Bt, size]: each row's context vocabulary (its prompt = the tokens before the first loss
         position), or None without a draft vocabulary or with size 0."""
         if self.draft_ids is None or not size:
             return None
-        draftable = np.zeros(self.dcfg.vocab_size, bool)
-        draftable[np.asarray(self.draft_ids)] = True
+        draftable = draft_mask(self.draft_ids, self.dcfg.vocab_size)
         tokens, mask = np.asarray(tokens), np.asarray(mask)
         return np.stack([context_ids(t[:int(np.argmax(m)) if m.any() else 0], draftable, size)
                          for t, m in zip(tokens, mask)])
@@ -371,19 +377,19 @@ class DFlashMethod:
         return (jnp.asarray(anchors), jnp.asarray(keep)) + (() if ids is None else (jnp.asarray(ids),))
 
     def loss(self, params, consts, tokens, taps, mask, lengths, extra):
-        embed, head, t2d, final_norm, full = consts
+        embed, head, t2d, final_norm, rows = consts
         taps, final_hidden = self.split_taps(taps)
         teacher = None
         if final_hidden is not None:
             teacher = teacher_logits(final_hidden, final_norm, self.teacher_eps, head, extra[0], self.block_size)
-        context = (extra[2], full) if len(extra) > 2 else None
+        context = (extra[2], rows) if len(extra) > 2 else None
         return dflash_loss(params, self.dcfg, embed, head, tokens, taps, mask, lengths, *extra[:2], self.block_size,
                            self.gamma, t2d, self.dpace_alpha, teacher, self.distill, context)
 
     def simulate(self, params, consts, tokens, taps, mask, lengths, anchors, keep, context=None):
-        embed, head, t2d, _, full = consts
+        embed, head, t2d, _, rows = consts
         return simulated_acceptance(params, self.dcfg, embed, head, tokens, self.split_taps(taps)[0], mask, lengths,
-                                    anchors, keep, self.sim_span, t2d, None if context is None else (context, full))
+                                    anchors, keep, self.sim_span, t2d, None if context is None else (context, rows))
 
     def full(self, params):
         """Trainable params -> a complete drafter (the draft vocabulary attached)."""
@@ -641,8 +647,8 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
         json.dump({"method": method.name, "train": dataclasses.asdict(cfg), "data": store.path,
                    "features": features.path if features is not None else "online", "init_from": init_from,
                    "feature_kernels": served.kernel_activations,
-                   "context_vocab": getattr(method, "context_vocab", 0),
-                   "sim_context_vocab": getattr(method, "sim_context_vocab", 0),
+                   "context_vocab": effective_context_vocab(method),
+                   "sim_context_vocab": effective_context_vocab(method, True),
                    "data_sequences": len(batches.seqs), "data_tokens": batches.num_tokens,
                    "data_parallel_devices": [str(d) for d in (mesh.devices.flat if mesh is not None else [])]},
                   fh, indent=1)
@@ -662,7 +668,7 @@ def train_drafter(target, store: TokenStore, out_dir: str, method, cfg: TrainCon
     def simulate(step):
         sim = heldout.evaluate(method, on_one_device(params), eval_consts)
         write({"step": step, "hours": hours0 + (time.perf_counter() - t_start) / 3600, "sim": sim,
-               "sim_block": method.sim_span, "sim_context_vocab": getattr(method, "sim_context_vocab", 0)})
+               "sim_block": method.sim_span, "sim_context_vocab": effective_context_vocab(method, True)})
         bar.write(f"step {step}: simulated tau(K={len(sim['all']['tau'])}) = {sim['all']['tau'][-1]:.3f}, "
                   f"tau(3) = {sim['all']['tau'][min(2, len(sim['all']['tau']) - 1)]:.3f}")
         summary["sim"] = sim
