@@ -121,8 +121,8 @@ class SequenceBatches:
 
 def effective_context_vocab(method, sim: bool = False) -> int:
     """The context vocabulary a method scores in its loss (or simulated tau): 0 without a draft vocabulary."""
-    if getattr(method, "draft_ids", None) is None:
-        return 0
+    if not isinstance(method, DFlashMethod) or method.draft_ids is None:
+        return 0  # (EAGLE-3 drafts from its own head: no context vocabulary)
     return method.sim_context_vocab if sim else method.context_vocab
 
 
