@@ -11,6 +11,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # one long process compiling hundreds of programs, with the allocation pattern its history was validated with.
 os.environ.setdefault("SPECJAX_MALLOC_TUNING", "0")
 
+from tests.scheduling import ProductionFileScheduling, configure_worker_flags  # noqa: E402
+
+configure_worker_flags()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -39,6 +43,15 @@ def pytest_configure(config):
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     jax.config.update("jax_compilation_cache_dir", path)  # this process imported jax already (-n 0 runs tests here)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (the suite's default) keeps the production-numerics files on the worker built as users'
+    programs are (tests/scheduling.py)."""
+    if config.getvalue("dist") == "loadfile":
+        return ProductionFileScheduling(config, log)
+    return None
 
 
 def pytest_unconfigure(config):

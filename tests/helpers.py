@@ -12,6 +12,15 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 VOCAB = 300  # 256 byte tokens + specials + unused rows
 
 
+def cpu_env(devices: int | None = None) -> dict[str, str]:
+    """The environment for a process a test starts: this one's (the suite's XLA flags included), on the CPU, with
+    `devices` virtual CPU devices when given (XLA reads the flag when the process's backend starts)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if devices is not None:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return env
+
+
 def tiny_hf_config(family: str, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 

@@ -11,12 +11,14 @@ import time
 
 import httpx
 
+from tests import helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def start(args_per_process: list[list[str]], devices: int) -> list[subprocess.Popen]:
     """One `python -m specjax.cli ARGS` process per entry, each with `devices` virtual CPU devices."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = helpers.cpu_env(devices)
     return [subprocess.Popen([sys.executable, "-m", "specjax.cli", *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True) for args in args_per_process]
 

@@ -24,7 +24,7 @@ def test_two_processes_four_devices_give_one_process_tokens(tmp_path):
     model = helpers.make_hf_checkpoint("qwen3", str(tmp_path / "qwen3"), num_attention_heads=8,
                                        num_key_value_heads=4)
     port = free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = helpers.cpu_env(2)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "specjax.cli", "generate", "--model", model, "--method", "dflash", "--drafter",
          "random:1", "--block-size", "4", "--max-new-tokens", "24", "--max-model-len", "256", "--no-chat", "--json",

@@ -11,13 +11,15 @@ import os
 import subprocess
 import sys
 
+from tests import helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
           "clips did Natalia sell altogether in April and May?")
 
 
 def test_generate_tp3_prints_what_one_device_prints(smollm_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3", JAX_PLATFORMS="cpu")
+    env = helpers.cpu_env(3)
     results = {}
     for tp in (1, 3):
         # float32 activations: a split target runs XLA's float32 products (the GGUF kernels are for one device),

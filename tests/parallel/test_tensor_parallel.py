@@ -28,7 +28,7 @@ NEW_TOKENS = 20
 
 
 def run_worker(cases: list[dict]) -> list[dict]:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
+    env = helpers.cpu_env(DEVICES)
     proc = subprocess.run([sys.executable, "-m", "tests.parallel.tp_worker"], input=json.dumps(cases), env=env,
                           capture_output=True, text=True, timeout=1200,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

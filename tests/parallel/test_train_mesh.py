@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_data_parallel_training_matches_one_device(tiny_dirs, tmp_path):
     helpers.toy_store(str(tmp_path / "data"), 16, 70, 256, 10, seed=0)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = helpers.cpu_env(4)
     losses = {}
     for dp in (1, 4):
         out = str(tmp_path / f"dp{dp}")
@@ -44,7 +44,7 @@ def test_feature_cache_on_a_mesh_matches_one_device(tmp_path):
     model = helpers.make_hf_checkpoint("qwen3", str(tmp_path / "qwen3"), num_attention_heads=8,
                                        num_key_value_heads=4)
     helpers.toy_store(str(tmp_path / "data"), 6, 70, 256, 10, seed=1)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = helpers.cpu_env(4)
     caches = {}
     runs = {"one": [], "dp4": ["--data-parallel-size", "4"], "tp2": ["--tensor-parallel-size", "2"]}
     for name, flags in runs.items():

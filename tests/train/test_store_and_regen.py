@@ -14,6 +14,7 @@ from specjax.train.features import FeatureCache
 from specjax.train.regen import regenerate
 from specjax.train.store import StoreUnion, TokenStore, open_stores
 from specjax.train.trainer import SequenceBatches, TrainConfig
+from tests import helpers
 from tests.helpers import toy_store
 
 
@@ -255,7 +256,7 @@ def run_cli(args: list[str], ok: bool = True):
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "specjax.cli", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          env=helpers.cpu_env())
     assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
     return proc.stdout, proc.stderr
 
