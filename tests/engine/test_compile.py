@@ -103,8 +103,9 @@ def test_a_background_build_never_reads_the_live_caches(parts):
 def test_prefill_chunks_padded_into_a_larger_program_ask_for_their_own_shape(parts):
     """Compiling on demand, a prefill chunk that runs padded in a larger ready program (four prompts x 32 tokens,
     as a first step of four prompts builds) asks for its own (batch, tokens) bucket, which is then built on the
-    background thread and used.  Before, the padded program itself was taken as the need: every later chunk of one short prompt ran
-    as four prompts x 32 tokens (regeneration spent ~half its time there) and never asked for anything."""
+    background thread and used.  Before, the padded program itself was taken as the need: every later chunk of one
+    short prompt ran as four prompts x 32 tokens (regeneration spent ~half its time there) and never asked for
+    anything."""
     from specjax.engine.programs import StepShape
 
     target, dcfg, dw = parts
