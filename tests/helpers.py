@@ -17,7 +17,9 @@ def cpu_env(devices: int | None = None) -> dict[str, str]:
     `devices` virtual CPU devices when given (XLA reads the flag when the process's backend starts)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     if devices is not None:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+        flag = "--xla_force_host_platform_device_count"
+        kept = [f for f in env.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] != flag]
+        env["XLA_FLAGS"] = " ".join([*kept, f"{flag}={devices}"])
     return env
 
 
