@@ -46,19 +46,12 @@ class ProductionFileScheduling(LoadFileScheduling):
 
     def _assign_work_unit(self, node) -> None:
         scope = self._pick(node)
-        if scope is None:
-            return
-        work_unit = self.workqueue.pop(scope)
-        self.assigned_work.setdefault(node, {})[scope] = work_unit
-        collection = self.registered_collections[node]
-        node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+        if scope is not None:  # xdist's own assignment pops the queue's first unit: put the pick there
+            self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     def _reschedule(self, node) -> None:
-        if node.shutting_down:
+        if not node.shutting_down and self._pick(node) is None:
+            node.shutdown()  # nothing left this worker may run: it finishes its queue, then stops
             return
-        if self._pick(node) is None:  # nothing left this worker may run: it finishes its queue, then stops
-            node.shutdown()
-            return
-        if self._pending_of(self.assigned_work[node]) > 2:
-            return
-        self._assign_work_unit(node)
+        super()._reschedule(node)

@@ -1,6 +1,7 @@
 """The suite's own scheduling: which worker compiles unoptimized, and which files only the default build runs."""
 
 import os
+from collections import OrderedDict
 from types import SimpleNamespace
 
 from tests import helpers
@@ -46,7 +47,8 @@ def scheduler(files, nodes):
     """The scheduler with both workers' collections registered (each file holds two tests)."""
     sched = ProductionFileScheduling.__new__(ProductionFileScheduling)  # no pytest config: set what it reads
     sched.config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=True))
-    sched.numnodes, sched.log, sched.collection, sched.workqueue = len(nodes), lambda *args: None, None, {}
+    sched.numnodes, sched.log, sched.collection = len(nodes), lambda *args: None, None
+    sched.workqueue = OrderedDict()
     collection = [f"{f}::test_{i}" for f in files for i in range(2)]
     sched.assigned_work = {n: {} for n in nodes}
     sched.registered_collections = {n: collection for n in nodes}
@@ -82,6 +84,6 @@ def test_one_production_file_keeps_the_default_build_whatever_order_workers_came
 def test_a_replacement_worker_takes_production_files():
     gw2 = FakeNode("gw2")  # a crashed gw0's replacement compiles at the default level
     sched = scheduler([PROD[0]], [gw2])
-    sched.workqueue = {PROD[0]: {f"{PROD[0]}::test_0": False}}
+    sched.workqueue = OrderedDict({PROD[0]: {f"{PROD[0]}::test_0": False}})
     sched._reschedule(gw2)
     assert list(sched.assigned_work[gw2]) == [PROD[0]] and not gw2.shutting_down
