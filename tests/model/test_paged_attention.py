@@ -1,6 +1,6 @@
 """Paged attention equals dense attention on random ragged layouts (shuffled pages, padding, -1 slots), on XLA's
 gathered path and on the in-place CPU kernel (kernels/paged_attention.cc), over float32 and 16-bit pools; the K/V
-write kernel (kernels/kv_write.cc) equals XLA's scatter."""
+write kernel (kernels/kv_write.cc) equals XLA's scatter; a step hands the commit its rows in the pools' dtype."""
 
 import jax
 import jax.numpy as jnp
@@ -266,3 +266,28 @@ def test_attention_kernel_programs_run_concurrently_without_deadlock():
     except subprocess.TimeoutExpired:
         pytest.fail("programs calling the attention kernel at once deadlocked (no result in 120 s)")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("pool_dtype", ["float16", "bfloat16"])
+def test_a_step_rounds_its_own_rows_once(tiny_dirs, pool_dtype):
+    """Over 16-bit pools the target's forward returns its new K/V rows already in the pools' dtype, the very values
+    its own attention saw, for the commit to write as they are.  Rounding the float32 rows a second time in the
+    commit program let a verification row see a key that plain decoding later read back from the pool one bit
+    apart: at XLA's -O0 the shipped drafter on SmolLM2's int8 kernels parted from plain decoding at token 21."""
+    from specjax.model import target as tgt
+    from specjax.model.loader import load_model
+
+    loaded = load_model(tiny_dirs["llama"])
+    cfg = loaded.config
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 6)).astype(np.int32)
+    batch = tgt.ForwardBatch(jnp.asarray(ids), jnp.arange(6)[None], jnp.arange(4, 10)[None],
+                             jnp.asarray([[1, 2]], jnp.int32))
+    rows = {dtype: tgt.forward(loaded.weights, tgt.init_kv_pages(cfg.num_layers, 4, 4, cfg.num_kv_heads,
+                                                                  cfg.head_dim, dtype), batch, cfg)[2]
+            for dtype in (jnp.float32, jnp.dtype(pool_dtype))}
+    for field in ("k", "v"):
+        narrow = getattr(rows[jnp.dtype(pool_dtype)], field)
+        assert all(r.dtype == jnp.dtype(pool_dtype) for r in narrow)
+        # layer 0's rows come before any attention: the same values, rounded once
+        np.testing.assert_array_equal(np.asarray(narrow[0]),
+                                      np.asarray(getattr(rows[jnp.float32], field)[0].astype(pool_dtype)))

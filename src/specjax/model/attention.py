@@ -170,7 +170,7 @@ def pages_and_new_attention(q, k_pool, v_pool, page_table, cache_lens, k_new, v_
     decoding's), for float32 queries, at most KERNEL_MAX_QUERIES per sequence (any number with `any_queries`);
     otherwise the pages are gathered and XLA attends over the copy.  Either way the step's own rows are rounded to
     the pools' dtype first, so a query sees every key as the pools store it (a float16 cache: as a later step
-    will read it back)."""
+    will read it back); a caller that also writes them rounds them itself, once (target.attention_block)."""
     b, t, n, h = q.shape
     k_new, v_new = k_new.astype(k_pool.dtype), v_new.astype(v_pool.dtype)
     if not (reads_pages_in_place(kernel, t, k_pool.dtype, h, any_queries) and q.dtype == jnp.float32):

@@ -171,8 +171,11 @@ class ForwardBatch:
 
 def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, batch: ForwardBatch, cos, sin,
                     kernel: str | None = None, any_queries: bool = False):
-    """Pre-norm attention of one layer over the pages plus the new rows.  x: [D, B*T] -> (x, k_new, v_new).
-    `kernel`, `any_queries`: TargetWeights.attention_kernel, .attention_any_queries."""
+    """Pre-norm attention of one layer over the pages plus the new rows.  x: [D, B*T] -> (x, k_new, v_new), the new
+    rows rounded once to the pools' dtype: what this step's queries saw is what the commit writes and later steps
+    read (rounded again from float32 in the commit's program, they came out one bit apart under XLA's -O0 and a
+    verification row then saw another key than plain decoding).  `kernel`, `any_queries`:
+    TargetWeights.attention_kernel, .attention_any_queries."""
     b, t = batch.tokens.shape
     g = cfg.tensor_parallel
     xn = rms_norm(x, layer.attn_norm[:, None], cfg.rms_norm_eps, axis=0)
@@ -188,6 +191,7 @@ def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, bat
         q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v = k.astype(k_pool.dtype), v.astype(v_pool.dtype)
     o = paged_attention(q, k_pool, v_pool, batch.page_table, batch.positions, batch.slots >= 0, k, v,
                         cfg.head_dim ** -0.5, kernel, any_queries)
     return x + matmul(layer.w_o, o.reshape(b * t, cfg.q_size).T), k, v
@@ -207,7 +211,7 @@ def forward(weights: TargetWeights, kv: KVPages, batch: ForwardBatch, cfg: Model
     """Run the decoder over a ragged batch.  Reads `kv`, never writes it (see model/attention.py).
 
     Returns (hidden [B, T, D] after the final norm, taps [B, T, len(tap_indices) * D] or None, the new K/V
-    rows to write at batch.slots with `write_rows`).
+    rows, in the pools' dtype, to write at batch.slots with `write_rows`).
     """
     b, t = batch.tokens.shape
     x = weights.embed[batch.tokens.reshape(-1)].T  # [D, B*T]
