@@ -272,8 +272,8 @@ def test_attention_kernel_programs_run_concurrently_without_deadlock():
 def test_a_step_rounds_its_own_rows_once(tiny_dirs, pool_dtype):
     """Over 16-bit pools the target's forward returns its new K/V rows already in the pools' dtype, the very values
     its own attention saw, for the commit to write as they are.  Rounding the float32 rows a second time in the
-    commit program let a verification row see a key that plain decoding later read back from the pool one bit
-    apart: at XLA's -O0 the shipped drafter on SmolLM2's int8 kernels parted from plain decoding at token 21."""
+    commit program let a verification row see a key other than the one plain decoding later read back from the
+    pool: at XLA's -O0 the shipped drafter on SmolLM2's int8 kernels parted from plain decoding at token 21."""
     from specjax.model import target as tgt
     from specjax.model.loader import load_model
 

@@ -173,7 +173,7 @@ def attention_block(layer: TargetLayer, cfg: ModelConfig, x, k_pool, v_pool, bat
                     kernel: str | None = None, any_queries: bool = False):
     """Pre-norm attention of one layer over the pages plus the new rows.  x: [D, B*T] -> (x, k_new, v_new), the new
     rows rounded once to the pools' dtype: what this step's queries saw is what the commit writes and later steps
-    read (rounded again from float32 in the commit's program, they came out one bit apart under XLA's -O0 and a
+    read (rounded a second time from float32 in the commit's program they could differ, as under XLA's -O0, and a
     verification row then saw another key than plain decoding).  `kernel`, `any_queries`:
     TargetWeights.attention_kernel, .attention_any_queries."""
     b, t = batch.tokens.shape
