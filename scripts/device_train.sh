@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # DFlash drafter training arms side by side on one accelerator whose image has jax but not specjax (repo root):
 #   [BATCH=64] [SIM_EVERY=100] [INIT=DRAFTER] [SEED=21] [COMPILE_CACHE=DIR] [DATA=STORE[,STORE...]] [WD=0] \
+#   [EXTRA="more train-drafter flags for every arm, e.g. --context-vocab 32"] \
 #     scripts/device_train.sh OUT_DIR TARGET_GGUF MINUTES ARM [ARM...]
 # Arms (each one process, the same data, draft vocabulary, batches and wall time; MINUTES of training each):
 #   scratch2  2 layers from a random init, Muon lr 1e-3     scratch3  the same with 3 layers
@@ -47,7 +48,7 @@ for arm in "$@"; do
   rm -rf "runs/device/$arm"  # a fresh arm (its --log would otherwise append to an earlier call's)
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_MEM_FRACTION=$share timeout $(( ${minutes%.*} * 60 + 240 )) python3 -m specjax.cli \
-    train-drafter "${common[@]}" ${arm_args[$arm]} --out "runs/device/$arm" --log "runs/device/$arm/log.jsonl" \
+    train-drafter "${common[@]}" ${arm_args[$arm]} ${EXTRA:-} --out "runs/device/$arm" --log "runs/device/$arm/log.jsonl" \
     > "runs/device/$arm.out" 2>&1 &
   pids+=($!)
 done
