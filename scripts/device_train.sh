@@ -48,7 +48,8 @@ for arm in "$@"; do
   rm -rf "runs/device/$arm"  # a fresh arm (its --log would otherwise append to an earlier call's)
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_MEM_FRACTION=$share timeout $(( ${minutes%.*} * 60 + 240 )) python3 -m specjax.cli \
-    train-drafter "${common[@]}" ${arm_args[$arm]} ${EXTRA:-} --out "runs/device/$arm" --log "runs/device/$arm/log.jsonl" \
+    train-drafter "${common[@]}" ${arm_args[$arm]} ${EXTRA:-} --out "runs/device/$arm" \
+    --log "runs/device/$arm/log.jsonl" \
     > "runs/device/$arm.out" 2>&1 &
   pids+=($!)
 done
