@@ -14,8 +14,7 @@ from specjax.train.features import FeatureCache
 from specjax.train.regen import regenerate
 from specjax.train.store import StoreUnion, TokenStore, open_stores
 from specjax.train.trainer import SequenceBatches, TrainConfig
-from tests import helpers
-from tests.helpers import toy_store
+from tests.helpers import cpu_env, toy_store
 
 
 def test_store_survives_a_torn_write(tmp_path):
@@ -256,7 +255,7 @@ def run_cli(args: list[str], ok: bool = True):
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "specjax.cli", *args], capture_output=True, text=True, timeout=600,
-                          env=helpers.cpu_env())
+                          env=cpu_env())
     assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
     return proc.stdout, proc.stderr
 
