@@ -140,6 +140,15 @@ def plain_and_random_dflash(cfg, weights, ids: list[int], max_new_tokens: int, m
     return ar.output_ids, spec.output_ids
 
 
+def kernel_builds() -> list[str]:
+    """The kernel builds this CPU runs (specjax.kernels.isa_flags): its native one, and on an AVX-512 CPU the AVX2
+    one too (what a user of an AVX2-only CPU gets)."""
+    from specjax.kernels import cpu_flags, simd_isa
+
+    flags = cpu_flags()
+    return ["native"] + (["AVX2"] if simd_isa(flags) == "AVX-512F" and {"avx2", "fma"} <= set(flags.split()) else [])
+
+
 def kernels_expected() -> bool:
     """Whether specjax's CPU kernels must build and run here (AVX-512F or AVX2 + FMA, a C++ compiler, not
     disabled)."""

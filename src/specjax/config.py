@@ -423,7 +423,7 @@ class EngineConfig:
     0 = only its draft vocabulary.  Lossless either way; no effect on drafters of the whole vocabulary."""
     kv_cache_dtype: str = "auto"
     """dtype of the target's KV pools: "float32", "float16", "bfloat16", or "auto" (engine.kv_cache_dtype: float16
-    on the int8-activation GGUF kernels, as llama.cpp's default cache, else the activations' dtype).  A 16-bit
+    on the integer-activation GGUF kernels, as llama.cpp's default cache, else the activations' dtype).  A 16-bit
     cache holds twice the tokens per byte and is read in half the time; outputs differ from a float32 cache's as
     any rounding does, and speculative decoding stays lossless against plain decoding over the same cache."""
 

@@ -142,7 +142,7 @@ class LLM:
                  block_size: int | None = None, engine_config: EngineConfig | None = None, dtype: str = "float32",
                  seed: int = 0, ngram: tuple[int, int] = (1, 3), target: LoadedModel | None = None,
                  tensor_parallel_size: int = 1, devices=None, quant_kernels: bool = True,
-                 kernel_activations: str = "int8"):
+                 kernel_activations: str = "int16"):
         if dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r} (float32, bfloat16)")
         keep_freed_memory()

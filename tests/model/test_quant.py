@@ -1,6 +1,6 @@
 """GGUF block kernels (specjax/kernels, model/quant.py): against float64 products of the dequantized weights (float32
-activations) or a numpy statement of the int8 scheme (int8 activations), and a quantized GGUF target run on them
-against the same file run on XLA."""
+activations) or a numpy statement of the integer schemes (int16 and int8 activations), on every build this CPU runs
+(native, and AVX2 beside AVX-512), and a quantized GGUF target run on them against the same file run on XLA."""
 
 import dataclasses
 
@@ -17,25 +17,43 @@ from specjax.model.gguf_file import dequantize
 from specjax.model.loader import load_model
 from specjax.model.quant import KERNEL_MAX_TOKENS, HostBlocks, QuantMatrix, dense, matmul, plain_blocks, to_device
 from specjax.sampling import SamplingParams
-from tests.helpers import FAMILIES, kernels_expected, plain_and_random_dflash, random_prompt, write_gguf_from_hf
-from tests.reference.int8_blocks import int8_product
+from tests.helpers import (
+    FAMILIES,
+    kernel_builds,
+    kernels_expected,
+    plain_and_random_dflash,
+    random_prompt,
+    write_gguf_from_hf,
+)
+from tests.reference.integer_blocks import integer_product
 
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
-# int8 activations on the tiny random targets (2-4 blocks of 32 per row, 9 tokens): largest logit error relative to
-# the largest logit (measured 0.025-0.089 over the checkpoints below) and correlation with the float32 logits
-# (measured 0.9970-0.9998)
+# integer activations on the tiny random targets (2-4 blocks of 32 per row, 9 tokens): largest logit error relative
+# to the largest logit (measured int8 0.025-0.089, int16 1.0e-4-3.3e-4 over the checkpoints below: int8's error would
+# fail int16's bound) and correlation with the float32 logits (int8: measured 0.9970-0.9998)
 INT8_LOGIT_ERROR, INT8_LOGIT_CORRELATION = 0.2, 0.99
+INT16_LOGIT_ERROR = 2e-3
+
+
+def built(isa: str = "native"):
+    k = quant_kernels(isa)
+    if k is None:
+        if kernels_expected():  # a kernel that stops compiling must fail here, not skip
+            pytest.fail(f"the quantized CPU kernels ({isa} build) did not build on a CPU with AVX-512F or AVX2 + FMA "
+                        "and a C++ compiler (the logged warning says why)")
+        pytest.skip("this machine has neither AVX-512F nor AVX2 + FMA, or no C++ compiler")
+    return k
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    k = quant_kernels()
-    if k is None:
-        if kernels_expected():  # a kernel that stops compiling must fail here, not skip
-            pytest.fail("the quantized CPU kernels did not build on a CPU with AVX-512F or AVX2 + FMA and a C++ "
-                        "compiler (the logged warning says why)")
-        pytest.skip("this machine has neither AVX-512F nor AVX2 + FMA, or no C++ compiler")
-    return k
+    return built()
+
+
+@pytest.fixture(scope="module", params=kernel_builds())
+def each_build(request):
+    """The kernels of every build this CPU runs (kernel_builds): the products' oracle tests run on each."""
+    return built(request.param)
 
 
 def quantized_matrix(kind: str, rows: int, cols: int, kernels, seed=0, activations="float32"):
@@ -45,15 +63,15 @@ def quantized_matrix(kind: str, rows: int, cols: int, kernels, seed=0, activatio
     data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), gguf.GGMLQuantizationType[kind])
     dense = dequantize(data, gguf.GGMLQuantizationType[kind])
     target = kernels.block_targets(activations)[kind]
-    return to_device(HostBlocks.from_gguf(data, kind), jnp.asarray(dense), target, activations == "int8"), dense
+    return to_device(HostBlocks.from_gguf(data, kind), jnp.asarray(dense), target, activations), dense
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_kernel_matches_the_dequantized_product(kernels, kind):
+def test_kernel_matches_the_dequantized_product(each_build, kind):
     """Odd row counts (the tails of the row tiles and of the thread split), 1..KERNEL_MAX_TOKENS tokens (every
     token-tile width); each token's column is bit-identical whatever the number of tokens sharing the call."""
     for rows, cols in [(37, 64), (200, 96), (130, 32)]:
-        w, dense = quantized_matrix(kind, rows, cols, kernels)
+        w, dense = quantized_matrix(kind, rows, cols, each_build)
         x = np.random.default_rng(1).standard_normal((cols, KERNEL_MAX_TOKENS)).astype(np.float32)
         ref = dense.astype(np.float64) @ x.astype(np.float64)
         bound = np.abs(dense).astype(np.float64) @ np.abs(x).astype(np.float64)
@@ -66,45 +84,54 @@ def test_kernel_matches_the_dequantized_product(kernels, kind):
                 np.testing.assert_array_equal(y[:, j], alone[j][:, 0])
 
 
+# How far an integer scheme's product may be from the float32 one, relative to sum |w x| (typical columns): measured
+# <= 0.023 for int8 (one block of 32 the worst) and <= 5.4e-5 for int16
+SCHEME_ERROR = {"int8": 0.05, "int16": 2e-4}
+
+
+@pytest.mark.parametrize("activations", ["int16", "int8"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_int8_kernel_matches_the_int8_scheme(kernels, kind):
-    """The int8-activation handlers against tests/reference/int8_blocks.py (the same integer products, float64
-    sums), odd and even block counts (a last block without a pair), every token-tile width, and products wider than
-    KERNEL_MAX_TOKENS (int8 matrices take every product: none goes to XLA's float32 dot); each token's column is
-    bit-identical whatever the number of tokens sharing the call, and the product stays within 5% of sum |w x| of
-    the float32 one (0.1-2.3%: one block of 32 the worst).  Column 5 is zero (dx = 0), column 6 has one huge value
-    (its block's other values quantize to 0: far from the float32 product, which is the scheme's, not the kernel's,
-    error)."""
+def test_integer_kernel_matches_its_scheme(each_build, kind, activations):
+    """The integer-activation handlers against tests/reference/integer_blocks.py (the same integer products,
+    float64 sums), odd and even block counts (a last block without a pair), every token-tile width (1-8, then
+    tiles of 8 and a rest), and products wider than KERNEL_MAX_TOKENS (integer matrices take every product: none
+    goes to XLA's float32 dot); each token's column is bit-identical whatever the number of tokens sharing the call,
+    and the product stays within SCHEME_ERROR of sum |w x| of the float32 one.  Column 5 is zero (dx = 0), column 6
+    has one huge value (int8: its block's other values quantize to 0: far from the float32 product, which is the
+    scheme's, not the kernel's, error), column 7 values near the int16 split's limits (each block's amax and values
+    255 / 2 quantization steps from it)."""
     for rows, cols in [(37, 64), (200, 96), (130, 32), (48, 576)]:
-        w, dense = quantized_matrix(kind, rows, cols, kernels, activations="int8")
+        w, dense = quantized_matrix(kind, rows, cols, each_build, activations=activations)
         x = np.random.default_rng(1).standard_normal((cols, 3 * KERNEL_MAX_TOKENS + 1)).astype(np.float32)
         x[:, 5] = 0
         x[3, 6] = 1e4
+        x[:, 7] = np.tile(np.float32([1.0, -1.0, 127.5 / 32512, -127.5 / 32512, 32384.5 / 32512, 0.5]), cols)[:cols]
         blocks = plain_blocks(w, kind)  # the kernel's rows are interleaved by 8 (37, 130: a partial last group)
         mins = None if blocks.mins is None else blocks.mins.view(np.float16).astype(np.float32)
-        want = int8_product(kind, blocks.codes, blocks.scales.view(np.float16).astype(np.float32), mins, x)
+        want = integer_product(kind, blocks.codes, blocks.scales.view(np.float16).astype(np.float32), mins, x,
+                               activations)
         bound = np.abs(dense).astype(np.float64) @ np.abs(x).astype(np.float64)
         terms = bound if mins is None else bound + 2 * np.repeat(np.abs(mins), 32, axis=1) @ np.abs(x)  # q d and m
         alone = [np.asarray(jax.jit(matmul)(w, jnp.asarray(x[:, j:j + 1]))) for j in range(x.shape[1])]
-        for m in (1, 2, 3, 4, 5, 7, KERNEL_MAX_TOKENS, x.shape[1]):  # wider than the float32 kernels' products too
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, KERNEL_MAX_TOKENS, 16, x.shape[1]):  # wider than float32 kernels' too
             y = np.asarray(jax.jit(matmul)(w, jnp.asarray(x[:, :m])))
             assert y.shape == (rows, m) and y.dtype == np.float32
             assert np.all(np.abs(y - want[:, :m]) <= 1e-6 * terms[:, :m] + 1e-6), (rows, m)
             for j in range(m):
                 np.testing.assert_array_equal(y[:, j], alone[j][:, 0])
         exact = dense.astype(np.float64) @ x.astype(np.float64)
-        typical = [j for j in range(x.shape[1]) if j not in (5, 6)]
-        assert np.max(np.abs(want - exact)[:, typical] / bound[:, typical]) <= 0.05  # measured <= 0.023
+        typical = [j for j in range(x.shape[1]) if j not in (5, 6, 7)]
+        assert np.max(np.abs(want - exact)[:, typical] / bound[:, typical]) <= SCHEME_ERROR[activations]
 
 
 def test_interleaved_rows_round_trip_and_select(kernels):
-    """The int8 kernels' rows interleaved by 8 (a partial last group padded) hold the blocks the float32 kernels
+    """The integer kernels' rows interleaved by 8 (a partial last group padded) hold the blocks the float32 kernels
     read, and a row selection (a draft vocabulary's head rows) computes each row as the whole matrix does."""
     from specjax.model.quant import take_rows
 
     x = jnp.asarray(np.random.default_rng(2).standard_normal((96, 3)).astype(np.float32))
     for kind in ("Q4_0", "Q4_1", "Q8_0"):
-        w8, _ = quantized_matrix(kind, 13, 96, kernels, seed=4, activations="int8")
+        w8, _ = quantized_matrix(kind, 13, 96, kernels, seed=4, activations="int16")
         w32, _ = quantized_matrix(kind, 13, 96, kernels, seed=4)
         assert w8.shape == w32.shape == (13, 96) and w8.codes.shape[0] == 2
         a, b = plain_blocks(w8, kind), plain_blocks(w32, kind)
@@ -114,15 +141,15 @@ def test_interleaved_rows_round_trip_and_select(kernels):
                 np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
         ids = jnp.asarray([12, 0, 5, 9, 8], jnp.int32)
         part = take_rows(w8, ids)
-        assert part.int8 and part.shape == (5, 96)
+        assert part.integer and part.activations == "int16" and part.shape == (5, 96)
         np.testing.assert_array_equal(np.asarray(matmul(part, x)), np.asarray(matmul(w8, x))[np.asarray(ids)])
 
 
 def test_activation_modes_choose_the_handlers(kernels):
-    int8, f32 = kernels.block_targets("int8"), kernels.block_targets("float32")
-    assert set(int8) == set(f32) == {"Q4_0", "Q4_1", "Q8_0", "BF16"}
-    assert all(int8[k] != f32[k] for k in KINDS) and int8["BF16"] == f32["BF16"]
-    with pytest.raises(ValueError, match="activations must be one of int8, float32"):
+    int16, int8, f32 = (kernels.block_targets(a) for a in ("int16", "int8", "float32"))
+    assert set(int16) == set(int8) == set(f32) == {"Q4_0", "Q4_1", "Q8_0", "BF16"}
+    assert all(len({int16[k], int8[k], f32[k]}) == 3 for k in KINDS) and int16["BF16"] == int8["BF16"] == f32["BF16"]
+    with pytest.raises(ValueError, match="activations must be one of int16, int8, float32"):
         kernels.block_targets("fp8")
     with pytest.raises(ConfigError, match="unknown kernel activations 'fp8'"):
         load_model("default", quant_kernels=True, activations="fp8")
@@ -178,24 +205,24 @@ def short_forward(model, ids):
 
 @pytest.mark.parametrize("family,kind", [(f, k) for f in FAMILIES for k in ("Q4_1", "Q8_0")] + [("llama", "Q4_0")])
 def test_quantized_gguf_on_kernels_matches_xla(tiny_dirs, tmp_path, kernels, family, kind):
-    """float32 activations: the same logits to rounding and the same greedy output as XLA's float32 products; int8
-    activations (the default): logits within the activations' quantization error of those (the kernel's own oracle
-    is test_int8_kernel_matches_the_int8_scheme), or float32 ones where the attention kernel cannot take the heads
-    (qwen3's head_dim 24: XLA's attention does not compute each row on its own, tests/spec/test_lossless.py)."""
+    """float32 activations: the same logits to rounding and the same greedy output as XLA's float32 products; int16
+    activations (the default) and int8 ones: logits within each type's quantization error of those (the kernels' own
+    oracle is test_integer_kernel_matches_its_scheme), or float32 ones where the attention kernel cannot take the
+    heads (qwen3's head_dim 24: XLA's attention does not compute each row on its own, tests/spec/test_lossless.py)."""
     path = str(tmp_path / f"{family}-{kind}.gguf")
     write_gguf_from_hf(tiny_dirs[family], path, kind)
     plain, fast = load_model(path), load_model(path, quant_kernels=True, activations="float32")
-    int8 = load_model(path, quant_kernels=True)
-    assert not plain.quantized_kernels and fast.quantized_kernels and int8.quantized_kernels
+    int16, int8 = load_model(path, quant_kernels=True), load_model(path, quant_kernels=True, activations="int8")
+    assert not plain.quantized_kernels and fast.quantized_kernels and int16.quantized_kernels
     fits = plain.config.head_dim % 16 == 0
     assert (plain.kernel_activations, fast.kernel_activations) == (None, "float32")
-    assert int8.kernel_activations == ("int8" if fits else "float32")
-    assert int8.weights.attention_any_queries == fits
+    assert (int16.kernel_activations, int8.kernel_activations) == (("int16", "int8") if fits else ("float32",) * 2)
+    assert int16.weights.attention_any_queries == fits
     assert all(isinstance(getattr(layer, name), QuantMatrix) for layer in fast.weights.layers
                for name in ("w_qkv", "w_o", "w_gate_up", "w_down"))
     assert isinstance(fast.weights.head_blocks, QuantMatrix)
-    # int8 layers keep only their blocks: every product goes to the kernel, a float32 copy would never be read
-    layer = int8.weights.layers[0]
+    # integer layers keep only their blocks: every product goes to the kernel, a float32 copy would never be read
+    layer = int16.weights.layers[0]
     names = ("w_qkv", "w_o", "w_gate_up", "w_down")
     assert all((getattr(layer, n).dense is None) == fits for n in names)
     assert all(getattr(layer, n).shape == getattr(fast.weights.layers[0], n).shape for n in names)
@@ -205,12 +232,13 @@ def test_quantized_gguf_on_kernels_matches_xla(tiny_dirs, tmp_path, kernels, fam
     ids = random_prompt(np.random.default_rng(0), 9)
     want = short_forward(plain, ids)
     np.testing.assert_allclose(short_forward(fast, ids), want, atol=2e-5, rtol=1e-5)
-    got = short_forward(int8, ids)
-    err = np.abs(got - want).max() / np.abs(want).max()
-    if fits:
-        assert 0 < err < INT8_LOGIT_ERROR and np.corrcoef(got.ravel(), want.ravel())[0, 1] > INT8_LOGIT_CORRELATION
-    else:
-        np.testing.assert_array_equal(got, short_forward(fast, ids))
+    for model, bound in ((int16, INT16_LOGIT_ERROR), (int8, INT8_LOGIT_ERROR)):
+        got = short_forward(model, ids)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        if fits:
+            assert 0 < err < bound and np.corrcoef(got.ravel(), want.ravel())[0, 1] > INT8_LOGIT_CORRELATION
+        else:
+            np.testing.assert_array_equal(got, short_forward(fast, ids))
     config = EngineConfig(max_model_len=128, max_num_seqs=1, page_size=8)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     [a] = LLMEngine(plain.config, plain.weights, config=config).generate([ids], params)
@@ -218,9 +246,9 @@ def test_quantized_gguf_on_kernels_matches_xla(tiny_dirs, tmp_path, kernels, fam
     assert a.output_ids == b.output_ids
 
 
-@pytest.mark.parametrize("activations", ["int8", "float32"])
+@pytest.mark.parametrize("activations", ["int16", "int8", "float32"])
 def test_speculative_decoding_on_kernels_is_lossless(tiny_dirs, tmp_path, kernels, activations):
-    """Verification (blocks of 8 on the kernels) against plain decoding (1 token), both on the kernels (int8
+    """Verification (blocks of 8 on the kernels) against plain decoding (1 token), both on the kernels (integer
     activations: each token is quantized on its own, so a verified row is computed as plain decoding computes it)."""
     path = str(tmp_path / "llama-Q4_1.gguf")
     write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
@@ -234,7 +262,7 @@ def test_speculative_decoding_on_kernels_is_lossless(tiny_dirs, tmp_path, kernel
 def test_drafters_on_the_attention_kernel_match_xla_and_stay_lossless(tiny_dirs, tmp_path, kernels):
     """DFlash and EAGLE-3 drafters read their paged context through the in-place attention kernel when the target
     has it: every draft equals the gathered-XLA path's, and the output equals plain decoding.  (A float32-activation
-    target: beside an int8 one the kernel path also quantizes the DFlash drafter's matrices, and this compares the
+    target: beside an integer one the kernel path also quantizes the DFlash drafter's matrices, and this compares the
     attention alone.)"""
     import dataclasses
 
@@ -347,7 +375,7 @@ def lossless_dflash_decode_steps(model, proposer, drafter) -> list:
 
 def test_q8_0_quantizer_matches_gguf_py(kernels):
     """HostBlocks.quantize_q8_0 gives gguf-py's Q8_0 bytes (ggml's reference quantizer), zero blocks and ties
-    included, and its int8 QuantMatrix multiplies like the int8 scheme over its dequantized blocks."""
+    included, and its integer QuantMatrix multiplies like the int8 scheme over its dequantized blocks."""
     from gguf import GGMLQuantizationType, quants
 
     from specjax.model.quant import q8_0_matrix
@@ -361,17 +389,18 @@ def test_q8_0_quantizer_matches_gguf_py(kernels):
     assert np.array_equal(mine.codes, ref.codes) and np.array_equal(mine.scales, ref.scales)
     assert q8_0_matrix(w[:, :48], kernels.targets["Q8_0_I8"]) is None  # rows not whole blocks of 32
     q = q8_0_matrix(w, kernels.targets["Q8_0_I8"])
-    assert q.int8 and q.dense is None and plain_blocks(q, "Q8_0").codes.tolist() == ref.codes.tolist()
+    assert q.activations == "int8" and q.dense is None and plain_blocks(q, "Q8_0").codes.tolist() == ref.codes.tolist()
     x = rng.standard_normal((96, 5)).astype(np.float32)
-    want = int8_product("Q8_0", ref.codes, ref.scales.view(np.float16).astype(np.float32), None, x)
+    want = integer_product("Q8_0", ref.codes, ref.scales.view(np.float16).astype(np.float32), None, x)
     bound = np.abs(w).astype(np.float64) @ np.abs(x).astype(np.float64)
     assert np.all(np.abs(np.asarray(matmul(q, jnp.asarray(x))) - want) <= 1e-6 * bound + 1e-6)
 
 
-def test_dflash_drafter_beside_an_int8_target_runs_on_q8_0_blocks(tiny_dirs, tmp_path, kernels):
-    """Beside a target on the int8-activation kernels, every drafter matrix (fc and each layer's five), float32 or
-    bfloat16, is quantized as Q8_0 for the same int8 kernel: its context K/V rows stay close to the XLA drafter's,
-    the output equals plain decoding, and every decode step calls that kernel for each of those matrices."""
+def test_dflash_drafter_beside_an_integer_target_runs_on_q8_0_blocks(tiny_dirs, tmp_path, kernels):
+    """Beside a target on the integer-activation kernels, every drafter matrix (fc and each layer's five), float32
+    or bfloat16, is quantized as Q8_0 for the int8 kernel (drafts only: verification decides): its context K/V rows
+    stay close to the XLA drafter's, the output equals plain decoding, and every decode step calls that kernel for
+    each of those matrices."""
     from specjax.drafter import dflash
     from specjax.drafter.loader import drafter_config_for, init_drafter
     from specjax.model.stack import LayerStack
@@ -380,7 +409,7 @@ def test_dflash_drafter_beside_an_int8_target_runs_on_q8_0_blocks(tiny_dirs, tmp
     path = str(tmp_path / "llama-Q4_1.gguf")
     write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
     model = load_model(path, quant_kernels=True)
-    assert model.weights.int8_products
+    assert model.weights.integer_products
     dcfg = drafter_config_for(model.config, num_layers=2, block_size=4, target_layer_ids=(0, 2), mask_token_id=299)
     fp32 = init_drafter(dcfg, jax.random.PRNGKey(9), std=0.15)
     proposer = DFlashProposer(dcfg, 4)
@@ -388,7 +417,7 @@ def test_dflash_drafter_beside_an_int8_target_runs_on_q8_0_blocks(tiny_dirs, tmp
     names = ("w_q", "w_kv", "w_o", "w_gate_up", "w_down")
     matrices = [fast.fc] + [getattr(layer, n) for layer in fast.layers for n in names]
     target = kernels.targets["Q8_0_I8"]
-    assert all(isinstance(m, QuantMatrix) and m.int8 and m.target == target for m in matrices)
+    assert all(isinstance(m, QuantMatrix) and m.activations == "int8" and m.target == target for m in matrices)
 
     taps = jnp.asarray(np.random.default_rng(12).standard_normal((1, 5, fast.fc.shape[1])), jnp.float32)
     rows = [np.asarray(dflash.observe(w, dcfg, taps, jnp.arange(5)[None]).k[1]) for w in (fast, fp32)]
@@ -421,7 +450,7 @@ def test_bfloat16_dflash_drafter_runs_on_the_bf16_kernel(tiny_dirs, tmp_path, ke
     path = str(tmp_path / "llama-Q4_1.gguf")
     write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
     model = load_model(path, quant_kernels=True, activations="float32")
-    assert not model.weights.int8_products
+    assert not model.weights.integer_products
     dcfg = drafter_config_for(model.config, num_layers=2, block_size=4, target_layer_ids=(0, 2), mask_token_id=299)
     fp32 = init_drafter(dcfg, jax.random.PRNGKey(9), std=0.15)
     bf16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), fp32)
@@ -446,7 +475,7 @@ def test_bfloat16_dflash_drafter_runs_on_the_bf16_kernel(tiny_dirs, tmp_path, ke
 
 
 def test_int8_layers_are_stacked_and_read_in_place(tiny_dirs, tmp_path, kernels, monkeypatch):
-    """On the int8 kernels the loader stacks the layers (model/stack.py: a step takes one array per field, not one
+    """On the integer kernels the loader stacks the layers (model/stack.py: a step takes one array per field, not one
     per layer) and the engine its KV pools, and the kernels read a layer inside the stacks: the logits and the
     engine's tokens are bit-identical to the same file loaded layer by layer with a pool per layer.  Float32-activation
     layers keep their dense copies and stay a tuple."""

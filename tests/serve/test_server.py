@@ -1,5 +1,7 @@
 """The OpenAI-compatible server, live on 127.0.0.1: the official `openai` client, concurrency, disconnects,
-preemption and bad requests."""
+preemption and bad requests.  Concurrency, disconnects and preemption run twice: on a tiny Qwen3 (XLA's products, a
+float32 KV pool) and on a tiny Llama GGUF in Q4_1 as the CPU runtime serves it by default (every product on the
+int16-activation kernels, the attention kernel over a float16 pool)."""
 
 import asyncio
 import contextlib
@@ -13,10 +15,12 @@ import pytest
 from specjax.bench.serving import running
 from specjax.config import EngineConfig
 from specjax.llm import LLM
+from specjax.model.loader import load_model
 from specjax.sampling import GREEDY
 from specjax.serve.api import create_app
 from specjax.serve.metrics import Metrics
 from specjax.serve.service import EngineService
+from tests.helpers import kernels_expected, write_gguf_from_hf
 
 MODEL = "tiny-qwen3"
 
@@ -28,21 +32,45 @@ def live_server(llm: LLM):
         yield url, service
 
 
-def make_llm(tiny_dirs, **engine_kw):
+def make_llm(model: str, **engine_kw):
     # prefill chunks of 64: the prompts here are short, longer ones are chunked, and warmup_all compiles 3 prefill
     # token buckets instead of 5 (the fixture in clean-clone CI runs: 142 s with 256, 111-132 s with 64)
     cfg = dict(max_model_len=256, page_size=8, max_num_seqs=16, adaptive_k=False, prefill_chunk=64)
     cfg.update(engine_kw)
-    llm = LLM(tiny_dirs["qwen3"], drafter="random:1", method="dflash", block_size=4, engine_config=EngineConfig(**cfg))
-    return llm
+    return LLM(model, drafter="random:1", method="dflash", block_size=4, engine_config=EngineConfig(**cfg))
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tiny_dirs, tmp_path_factory):
+    """A tiny Llama in Q4_1 (head_dim 16: the attention kernel takes it), loaded as the CPU runtime's default does."""
+    path = str(tmp_path_factory.mktemp("gguf") / "llama-Q4_1.gguf")
+    write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
+    if load_model(path, quant_kernels=True).kernel_activations != "int16":
+        assert not kernels_expected(), "the CPU kernels did not build on a machine that has what they need"
+        pytest.skip("the CPU kernels cannot run here")
+    return path
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dirs):
-    llm = make_llm(tiny_dirs)
+    llm = make_llm(tiny_dirs["qwen3"])
     llm.engine.warmup_all(modes=(GREEDY,))
     with live_server(llm) as (url, service):
         yield url, service
+
+
+@pytest.fixture(scope="module")
+def kernel_server(gguf_model):
+    llm = make_llm(gguf_model)
+    assert llm.target.kernel_activations == "int16" and llm.engine.kv.k[0].dtype == "float16"
+    with live_server(llm) as (url, service):  # no warm-up: shapes compile as requests need them
+        yield url, service
+
+
+@pytest.fixture(params=["xla", "kernels"])
+def any_server(request):
+    """`server` and `kernel_server` in turn."""
+    return request.getfixturevalue("server" if request.param == "xla" else "kernel_server")
 
 
 def test_openai_client_chat_stream_and_completions(server):
@@ -80,8 +108,8 @@ async def stream_tokens(client: httpx.AsyncClient, url: str, body: dict) -> list
     return ids
 
 
-def test_16_concurrent_streams_get_exactly_what_they_get_alone(server):
-    url, service = server
+def test_16_concurrent_streams_get_exactly_what_they_get_alone(any_server):
+    url, service = any_server
     prompts = [f"request number {i}: " + "abc" * i for i in range(16)]
 
     async def main():
@@ -99,7 +127,7 @@ def test_16_concurrent_streams_get_exactly_what_they_get_alone(server):
 def test_background_warmup_serves_at_once_and_never_compiles_on_the_engine_thread(tiny_dirs, server):
     """Serving starts after one shape (the prefill); 16 concurrent streams sent at once get what they get from the fully
     warmed server while the shapes they use compile on the background thread; the engine thread compiles nothing."""
-    llm = make_llm(tiny_dirs)
+    llm = make_llm(tiny_dirs["qwen3"])
     assert llm.engine.warmup_all(modes=(GREEDY,), background=True) == 1  # the prefill
     prompts = [f"request number {i}: " + "abc" * i for i in range(16)]
 
@@ -125,8 +153,8 @@ def test_background_warmup_serves_at_once_and_never_compiles_on_the_engine_threa
     assert llm.engine.allocator.num_used == 0
 
 
-def test_client_disconnect_frees_pages(server):
-    url, service = server
+def test_client_disconnect_frees_pages(any_server):
+    url, service = any_server
     idle = service.engine.allocator.num_used
 
     async def main():
@@ -216,8 +244,10 @@ def test_stop_strings_cut_the_text(server):
     assert cut["choices"][0]["finish_reason"] == "stop"
 
 
-def test_tiny_pool_preempts_and_outputs_are_identical(tiny_dirs):
-    llm = make_llm(tiny_dirs, num_pages=40, max_num_seqs=8)  # 39 pages x 8 tokens: ~1.2 requests at 256
+@pytest.mark.parametrize("runtime", ["xla", "kernels"])
+def test_tiny_pool_preempts_and_outputs_are_identical(tiny_dirs, request, runtime):
+    model = tiny_dirs["qwen3"] if runtime == "xla" else request.getfixturevalue("gguf_model")
+    llm = make_llm(model, num_pages=40, max_num_seqs=8)  # 39 pages x 8 tokens: ~1.2 requests at 256
     prompts = [f"preempt {i} " * 4 for i in range(8)]
 
     async def main(url):

@@ -217,9 +217,11 @@ def test_steps_padded_into_larger_ready_shapes_stay_lossless(setup, ar_greedy, a
     assert engine.allocator.num_used == 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "auto"])
-def test_int8_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dirs, tmp_path, kv_cache_dtype):
-    """The default CPU runtime of a GGUF target: every product on the int8-activation kernels, where a one-ulp
+@pytest.mark.parametrize("activations,kv_cache_dtype", [("int16", "float32"), ("int16", "auto"), ("int8", "auto")])
+def test_integer_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dirs, tmp_path, activations,
+                                                                           kv_cache_dtype):
+    """The default CPU runtime of a GGUF target: every product on the int16-activation kernels (and on the int8
+    ones, the explicit choice), where a one-ulp
     difference upstream can move an activation across a rounding boundary (docs/results/kflat.md, session 31).
     So every row must be computed the same way whatever shares its step: batched plain decoding equals each
     request decoded alone, and DFlash batched (block 8: up to 40 verified rows, wider than the float32 kernels
@@ -230,8 +232,8 @@ def test_int8_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_dir
 
     path = str(tmp_path / "llama-Q4_1.gguf")  # head_dim 16: every attention on the kernel (qwen3's 24 is not)
     write_gguf_from_hf(tiny_dirs["llama"], path, "Q4_1")
-    target = load_model(path, quant_kernels=True)
-    if target.kernel_activations != "int8":
+    target = load_model(path, quant_kernels=True, activations=activations)
+    if target.kernel_activations != activations:
         assert not kernels_expected(), "the CPU kernels did not build on a machine that has what they need"
         pytest.skip("the CPU kernels cannot run here")
     dcfg = drafter_config_for(target.config, num_layers=2, block_size=8, target_layer_ids=(0, 2), mask_token_id=299,

@@ -80,16 +80,17 @@ def add_quant_kernel_arg(p: argparse.ArgumentParser) -> None:
     """The CPU runtime's options: the GGUF kernels, their activations, and the KV cache's dtype."""
     p.add_argument("--quant-kernels", default=True, action=argparse.BooleanOptionalAction,
                    help="GGUF targets: multiply Q4_0/Q4_1/Q8_0 weights in their blocks with specjax's CPU kernels "
-                        "(every product with int8 activations, up to 12 tokens with float32 ones; float32, one "
+                        "(every product with integer activations, up to 12 tokens with float32 ones; float32, one "
                         "device, AVX-512F or AVX2 + FMA; else XLA on float32 copies)")
-    p.add_argument("--kernel-activations", default="int8", choices=ACTIVATIONS,
-                   help="how those kernels take their activations: int8 per block of 32 (llama.cpp's scheme, "
-                        "faster; ~1e-3 relative error in a product) or float32 (the float32 product of the "
-                        "dequantized weights, to rounding)")
+    p.add_argument("--kernel-activations", default="int16", choices=ACTIVATIONS,
+                   help="how those kernels take their activations: int16 per block of 32 (the model's answers at "
+                        "integer speed; ~1e-5 relative error in a product), int8 per block of 32 (llama.cpp's "
+                        "scheme, a little faster; ~1e-3, enough to flip a small model's near-ties) or float32 "
+                        "(the float32 product of the dequantized weights, to rounding)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="dtype of the target's KV cache (auto: float16 on the int8-activation kernels, as llama.cpp, "
-                        "else the activations'); a 16-bit cache holds twice the tokens and is read in half the "
-                        "time, at a rounding of every key and value")
+                   help="dtype of the target's KV cache (auto: float16 on the integer-activation kernels, as "
+                        "llama.cpp, else the activations'); a 16-bit cache holds twice the tokens and is read in "
+                        "half the time, at a rounding of every key and value")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -164,7 +165,12 @@ def machine_info() -> dict:
 
     import specjax
 
+    from specjax.kernels import cpu_flags, cpu_model, simd_isa
+
+    flags = cpu_flags()
     return {"specjax": specjax.__version__, "jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
             "python": platform.python_version(),
-            "machine": platform.machine(), "processor": platform.processor() or platform.machine()}
+            "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+            "cpu": cpu_model(), "kernel_isa": simd_isa(flags), "avx512_vnni": "avx512_vnni" in flags.split(),
+            "kernel_build": os.environ.get("SPECJAX_KERNEL_ISA") or "native"}

@@ -81,7 +81,7 @@ def with_bf16_kernel(weights: DFlashWeights, kernel: str) -> DFlashWeights:
 
 
 def with_q8_0_kernel(weights: DFlashWeights, kernel: str) -> DFlashWeights:
-    """Once per engine beside an int8-activation target: every drafter matrix quantized as Q8_0 for the int8 kernel
+    """Once per engine beside an integer-activation target: every drafter matrix quantized as Q8_0 for the int8 kernel
     `kernel` (quant.q8_0_matrix; ~1.06 bytes a weight, and the products of the target's layers)."""
     return on_kernel(weights, lambda w: q8_0_matrix(w, kernel))
 

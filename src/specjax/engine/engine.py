@@ -57,7 +57,7 @@ class StepOutput:
 
 def kv_cache_dtype(choice: str, tweights: TargetWeights) -> jnp.dtype:
     """The target KV pools' dtype for EngineConfig.kv_cache_dtype `choice`.  "auto": float16 where the target runs
-    as llama.cpp does by default (GGUF blocks on the int8-activation CPU kernels, every attention on the kernel,
+    as llama.cpp does by default (GGUF blocks on the integer-activation CPU kernels, every attention on the kernel,
     which reads float16 rows as cheaply as float32 ones: half the bytes, 1.03-1.07x a step), else the activations'
     dtype."""
     if choice != "auto":

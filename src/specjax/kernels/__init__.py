@@ -5,7 +5,10 @@ A kernel library is built once per (source, compiler, jaxlib, CPU flags) into `$
 build key, so a changed kernel never matches a stale entry of the persistent compilation cache.  Where a kernel
 cannot run (no C++ compiler, neither AVX-512F nor AVX2 + FMA, a non-CPU backend, `SPECJAX_KERNELS=0`)
 `quant_kernels()` returns None with the reason logged once, and callers keep the plain XLA path.  The kernels are
-written once over the vector operations of kernels/simd.h; `-march=native` picks its AVX-512 or AVX2 half.
+written once over the vector operations of kernels/simd.h; `-march=native` picks its AVX-512 or AVX2 half.  On an
+AVX-512 CPU `quant_kernels("AVX2")` (or `SPECJAX_KERNEL_ISA=AVX2` for the process's default) builds the AVX2 half
+too (`-mno-avx512f`), so that one machine runs and tests both builds; the two register under different names and
+can be loaded side by side.
 """
 
 from __future__ import annotations
@@ -25,17 +28,22 @@ log = logging.getLogger(__name__)
 
 QUANT_SOURCE = "quant_matmul.cc"
 QUANT_HANDLERS = {"Q4_0": "SpecjaxQ4_0", "Q4_1": "SpecjaxQ4_1", "Q8_0": "SpecjaxQ8_0", "BF16": "SpecjaxBF16",
-                  "Q4_0_I8": "SpecjaxQ4_0I8", "Q4_1_I8": "SpecjaxQ4_1I8", "Q8_0_I8": "SpecjaxQ8_0I8"}
-# How a GGUF block kernel takes its activations: quantized per block of 32 to int8 (llama.cpp's scheme, faster) or
-# as float32 (the dequantized weights' float32 product to rounding).
-ACTIVATIONS = ("int8", "float32")
+                  "Q4_0_I8": "SpecjaxQ4_0I8", "Q4_1_I8": "SpecjaxQ4_1I8", "Q8_0_I8": "SpecjaxQ8_0I8",
+                  "Q4_0_I16": "SpecjaxQ4_0I16", "Q4_1_I16": "SpecjaxQ4_1I16", "Q8_0_I16": "SpecjaxQ8_0I16"}
+# How a GGUF block kernel takes its activations, the default first: quantized per block of 32 to 16-bit integers
+# (the model's answers at integer speed), to int8 (llama.cpp's scheme: a little faster, and it flips near-ties of a
+# small model), or as float32 (the dequantized weights' float32 product to rounding).
+ACTIVATIONS = ("int16", "int8", "float32")
+# The integer activation types and the suffix of their handlers' keys.
+INTEGER_ACTIVATIONS = {"int16": "_I16", "int8": "_I8"}
 
 
 def handler_key(kind: str, activations: str) -> str:
     """QUANT_HANDLERS' key of block format `kind` with `activations` (BF16 has float32 ones only)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
-    return kind + "_I8" if activations == "int8" and kind + "_I8" in QUANT_HANDLERS else kind
+    key = kind + INTEGER_ACTIVATIONS.get(activations, "")
+    return key if key in QUANT_HANDLERS else kind
 ATTENTION_SOURCE = "paged_attention.cc"
 ATTENTION_HANDLER = "SpecjaxPagedAttention"
 KV_WRITE_SOURCE = "kv_write.cc"
@@ -52,9 +60,10 @@ class KernelUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class QuantKernels:
     """Registered FFI targets (CPU platform): one per block format (GGUF Q4_0, Q4_1, Q8_0, and BF16) and
-    activation type (the GGUF formats' int8 variants are keyed "<kind>_I8") for model/quant.py, `attention`,
-    paged attention over the KV pool in place, `kv_write`, a step's K/V rows written into every pool in one
-    call (model/attention.py), and `argmax`, the greedy tokens of a head's vocab-major logits (model/target.py)."""
+    activation type (the GGUF formats' integer variants are keyed "<kind>_I16" and "<kind>_I8") for
+    model/quant.py, `attention`, paged attention over the KV pool in place, `kv_write`, a step's K/V rows written
+    into every pool in one call (model/attention.py), and `argmax`, the greedy tokens of a head's vocab-major
+    logits (model/target.py)."""
 
     targets: dict[str, str]
     attention: str
@@ -62,9 +71,9 @@ class QuantKernels:
     argmax: str
 
     def block_targets(self, activations: str) -> dict[str, str]:
-        """Block format -> FFI target for activations "int8" or "float32" (ACTIVATIONS)."""
+        """Block format -> FFI target for activations "int16", "int8" or "float32" (ACTIVATIONS)."""
         return {kind: self.targets[handler_key(kind, activations)] for kind in self.targets
-                if not kind.endswith("_I8")}
+                if not kind.endswith(tuple(INTEGER_ACTIVATIONS.values()))}
 
 
 def cache_dir() -> str:
@@ -83,6 +92,21 @@ def cpu_flags() -> str:
     return ""
 
 
+def cpu_model() -> str:
+    """The CPU's model name and family (/proc/cpuinfo), e.g. "AMD EPYC (family 26, model 2)"."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+                if key.strip() == "flags":
+                    break
+    except OSError:
+        return "unknown"
+    return f"{info.get('model name', 'unknown')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
+
+
 def simd_isa(flags: str) -> str | None:
     """The vector instruction set the kernels build for on a CPU with these /proc/cpuinfo flags, or None."""
     names = set(flags.split())
@@ -95,7 +119,22 @@ def simd_isa(flags: str) -> str | None:
     return None
 
 
-def build(source: str, include_dir: str, out_dir: str, compiler: str, extra_key: str = "") -> str:
+def isa_flags(isa: str | None, flags: str) -> tuple[str, ...]:
+    """Compiler flags beyond CXX_FLAGS for kernel build `isa` (None / "native": what -march=native gives, "AVX2":
+    the AVX2 + FMA half on any CPU that has it) on a CPU with these /proc/cpuinfo flags.  Raises KernelUnavailable
+    when this CPU cannot run that build."""
+    native = simd_isa(flags)
+    if native is None:
+        raise KernelUnavailable("this CPU has neither AVX-512F nor AVX2 + FMA")
+    if isa in (None, "native", native):
+        return ()
+    if isa == "AVX2" and {"avx2", "fma"} <= set(flags.split()):
+        return ("-mno-avx512f",)
+    raise KernelUnavailable(f"kernel build {isa!r} cannot run here (choose from native, AVX2; this CPU: {native})")
+
+
+def build(source: str, include_dir: str, out_dir: str, compiler: str, extra_key: str = "",
+          extra_flags: tuple[str, ...] = ()) -> str:
     """Compile `source` into out_dir (atomically; concurrent builders race harmlessly) unless a library with the
     same key is already there.  The key covers the source and the headers beside it (simd.h).  -> the library's
     path.  Raises KernelUnavailable with the compiler's output."""
@@ -105,7 +144,7 @@ def build(source: str, include_dir: str, out_dir: str, compiler: str, extra_key:
         with open(os.path.join(here, name), "rb") as fh:
             code += name.encode() + b"\0" + fh.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([code, version.encode(), " ".join(CXX_FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([code, version.encode(), " ".join(CXX_FLAGS + extra_flags).encode(),
                                      extra_key.encode()])).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(out_dir, f"{stem}-{key}.so")
@@ -115,7 +154,7 @@ def build(source: str, include_dir: str, out_dir: str, compiler: str, extra_key:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CXX_FLAGS, f"-I{include_dir}", source, "-o", tmp],
+        done = subprocess.run([compiler, *CXX_FLAGS, *extra_flags, f"-I{include_dir}", source, "-o", tmp],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise KernelUnavailable(f"{compiler} failed on {os.path.basename(source)}: "
@@ -127,7 +166,7 @@ def build(source: str, include_dir: str, out_dir: str, compiler: str, extra_key:
     return path
 
 
-def _load_quant_kernels() -> QuantKernels:
+def _load_quant_kernels(isa: str | None = None) -> QuantKernels:
     import jax
 
     if os.environ.get("SPECJAX_KERNELS", "1") == "0":
@@ -135,14 +174,14 @@ def _load_quant_kernels() -> QuantKernels:
     if jax.default_backend() != "cpu":
         raise KernelUnavailable(f"the kernels are for the CPU backend, not {jax.default_backend()}")
     flags = cpu_flags()
-    if simd_isa(flags) is None:
-        raise KernelUnavailable("this CPU has neither AVX-512F nor AVX2 + FMA")
+    extra_flags = isa_flags(isa or os.environ.get("SPECJAX_KERNEL_ISA"), flags)
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
     def register(source_name: str, symbols: dict[str, str]) -> dict[str, str]:
         with resources.as_file(resources.files(__package__) / source_name) as source:
-            path = build(str(source), jax.ffi.include_dir(), cache_dir(), compiler, jax.__version__ + flags)
+            path = build(str(source), jax.ffi.include_dir(), cache_dir(), compiler, jax.__version__ + flags,
+                         extra_flags)
         lib = ctypes.CDLL(path)
         tag = os.path.basename(path).rsplit("-", 1)[1][:-3]
         names = {}
@@ -158,12 +197,12 @@ def _load_quant_kernels() -> QuantKernels:
 
 
 @functools.lru_cache(maxsize=None)
-def quant_kernels() -> QuantKernels | None:
+def quant_kernels(isa: str | None = None) -> QuantKernels | None:
     """The block-quantized matmul kernels of kernels/quant_matmul.cc and the paged attention of
-    kernels/paged_attention.cc, built and registered once per process, or None where they cannot run here (the
-    reason is logged)."""
+    kernels/paged_attention.cc, built and registered once per process and `isa` (see isa_flags; None: the
+    SPECJAX_KERNEL_ISA variable, else native), or None where they cannot run here (the reason is logged)."""
     try:
-        return _load_quant_kernels()
+        return _load_quant_kernels(isa)
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
         log.warning("quantized CPU kernels unavailable, using float32 XLA matmuls: %s", e)
         return None

@@ -355,7 +355,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     }
   }
   const int64_t n = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), c->items));
-  specjax_workers_v3::Share(pool, a.batch * a.steps, static_cast<int>(n - 1), [c](int) { c->Work(); });
+  specjax_workers_v4::Share(pool, a.batch * a.steps, static_cast<int>(n - 1), [c](int) { c->Work(); });
   c->Work();
   while (c->unmerged.load(std::memory_order_acquire) > 0) Pause();  // items other threads claimed, being run
   return ffi::Error::Success();

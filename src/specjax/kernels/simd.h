@@ -63,6 +63,32 @@ inline Vec SumEach(const Vec* v) {
 }
 inline float MaxOf(Vec v) { return _mm512_reduce_max_ps(v); }
 
+// The first n <= kLanes floats at p (the rest 0), and kLanes rows of a kLanes x kLanes tile transposed in registers
+// (row i's lane j to row j's lane i): unpacks of 32- and 64-bit pairs, then two rounds of 128-bit quarters.
+inline Vec LoadN(const float* p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
+inline void TransposeTile(Vec* r) {
+  Vec t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int h = 0; h < 2; ++h) {
+      const __m512d a = _mm512_castps_pd(t[4 * i + h]), b = _mm512_castps_pd(t[4 * i + 2 + h]);
+      r[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  for (int i = 0; i < 2; ++i)
+    for (int c = 0; c < 4; ++c) {
+      t[8 * i + c] = _mm512_shuffle_f32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
+      t[8 * i + 4 + c] = _mm512_shuffle_f32x4(r[8 * i + c], r[8 * i + 4 + c], 0xDD);
+    }
+  for (int c = 0; c < 8; ++c) {
+    r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+  }
+}
+
 // The pieces of Exp (below) that differ between the instruction sets.
 using Mask = __mmask16;
 inline Vec Fnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, rounded once
@@ -133,6 +159,27 @@ inline float MaxOf(Vec v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline Vec LoadN(const float* p, int n) {
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+inline void TransposeTile(Vec* r) {
+  Vec t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int h = 0; h < 2; ++h) {
+      const __m256d a = _mm256_castps_pd(t[4 * i + h]), b = _mm256_castps_pd(t[4 * i + 2 + h]);
+      r[4 * i + 2 * h] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, b));
+      r[4 * i + 2 * h + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, b));
+    }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x20);
+    t[4 + c] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x31);
+  }
+  for (int c = 0; c < 8; ++c) r[c] = t[c];
 }
 
 using Mask = __m256;  // all-ones lanes where true

@@ -41,10 +41,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
-namespace specjax_workers_v3 {
+namespace specjax_workers_v4 {
 
 constexpr int64_t kSpinMicros = 200;  // a step's gaps between kernel calls are its XLA fusions: ~1-20 us each
-constexpr int64_t kMaxSpinTokens = 4;  // the widest call that goes to the spinning helpers (see above)
+constexpr int64_t kMaxSpinTokens = 16;  // the widest call that goes to the spinning helpers (see above)
 
 class Workers {
  public:
@@ -124,4 +124,4 @@ inline void Share(xla::ffi::ThreadPool& pool, int64_t tokens, int copies, const 
   for (int i = 1; i <= copies; ++i) pool.Schedule([fn, i] { fn(i); });
 }
 
-}  // namespace specjax_workers_v3
+}  // namespace specjax_workers_v4

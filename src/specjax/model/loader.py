@@ -57,11 +57,9 @@ class LoadedModel:
 
     @property
     def kernel_activations(self) -> str | None:
-        """"int8" or "float32": how the GGUF-block kernels take their activations; None without them."""
+        """"int16", "int8" or "float32": how the GGUF-block kernels take their activations; None without them."""
         w = first_layer(self.weights.layers).w_qkv
-        if not isinstance(w, QuantMatrix):
-            return None
-        return "int8" if w.int8 else "float32"
+        return w.activations if isinstance(w, QuantMatrix) else None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -170,16 +168,17 @@ class TensorReader:
 def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str, dtype=jnp.float32,
                     mesh=None, blocks: dict[str, HostBlocks] | None = None,
                     kernels: dict[str, str] | None = None,
-                    int8: bool = False) -> tuple[ModelConfig, TargetWeights]:
+                    activations: str = "float32") -> tuple[ModelConfig, TargetWeights]:
     """Build TargetWeights from HF-named [out, in] arrays, checking names and shapes against `cfg`; with a
     `mesh`, split over it for tensor parallelism (specjax/parallel.py).  `blocks` (GGUF block-quantized copies of
     some matrices, by HF name) and `kernels` (FFI target per block format, specjax/kernels) make those matrices
-    QuantMatrix (model/quant.py) when all parts of a projection have them (`int8`: those targets take int8
-    activations).  -> (cfg with its tensor_parallel set, weights)."""
+    QuantMatrix (model/quant.py) when all parts of a projection have them (`activations`: those the targets
+    take, kernels.ACTIVATIONS).  -> (cfg with its tensor_parallel set, weights)."""
     cfg = replace(cfg, tensor_parallel=mesh_size(mesh))
     reader = TensorReader(tensors, source)
     take = reader.take
     blocks = blocks or {}  # load_gguf passes blocks only where the kernels can run (one device, float32)
+    integer = activations != "float32"
 
     def quantized(placed, names, rows=None):
         """`placed` (a device array) as a QuantMatrix when every named part has blocks of a kernel's format."""
@@ -187,18 +186,18 @@ def assemble_target(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: st
         if not parts or any(p is None or p.kind not in kernels for p in parts):
             return placed
         fused = HostBlocks.stack(parts)
-        return to_device(fused if rows is None else fused.rows(rows), placed, kernels[fused.kind], int8)
+        return to_device(fused if rows is None else fused.rows(rows), placed, kernels[fused.kind], activations)
 
     def projection(parts, placement, rows=None):
         """A projection of the named parts [(name, shape)] stacked by rows (then reordered by `rows`): on the
-        int8 kernels its blocks alone (every product goes there: no float32 copy to dequantize and hold), else
+        integer kernels its blocks alone (every product goes there: no float32 copy to dequantize and hold), else
         the float32 matrix placed on the device (a QuantMatrix sharing it where the kernels take its blocks)."""
         names = [n for n, _ in parts]
-        if int8 and all(blocks.get(n) is not None and blocks[n].kind in kernels for n in names):
+        if integer and all(blocks.get(n) is not None and blocks[n].kind in kernels for n in names):
             for name, shape in parts:
                 reader.check(name, shape)
             fused = HostBlocks.stack([blocks[n] for n in names])
-            return to_device(fused if rows is None else fused.rows(rows), None, kernels[fused.kind], int8)
+            return to_device(fused if rows is None else fused.rows(rows), None, kernels[fused.kind], activations)
         whole = np.concatenate([take(n, shape) for n, shape in parts], axis=0)
         return quantized(dev(whole if rows is None else whole[rows], placement), names, rows)
 
@@ -387,10 +386,10 @@ class LazyDequant:
 
 
 def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = False,
-              activations: str = "int8") -> LoadedModel:
+              activations: str = "int16") -> LoadedModel:
     """`quant_kernels`: also keep the matrices stored in a kernel's block format (Q4_0, Q4_1, Q8_0) as blocks,
     for the CPU kernels (model/quant.py), when they can run here (one device, float32); `activations`: how those
-    kernels take their inputs ("int8" per block of 32, llama.cpp's scheme, or "float32"; kernels.ACTIVATIONS)."""
+    kernels take their inputs ("int16" or "int8" integers per block of 32, or "float32"; kernels.ACTIVATIONS)."""
     from specjax.kernels import quant_kernels as built_kernels
     from specjax.model.gguf_file import GGUFFile
     from specjax.model.quant import BLOCK_LAYOUT
@@ -403,8 +402,8 @@ def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = Fal
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from None
     cfg = gguf_model_config(reader, path)
     kernels = built_kernels() if quant_kernels and mesh is None and dtype == jnp.float32 else None
-    if kernels is not None and activations == "int8" and not kernel_fits(cfg.head_dim):
-        # int8 activations need every row of a step computed on its own (a last-bit difference can move a
+    if kernels is not None and activations != "float32" and not kernel_fits(cfg.head_dim):
+        # integer activations need every row of a step computed on its own (a last-bit difference can move a
         # rounding), and XLA's gathered attention, which such heads would use, does not compute rows that way
         log.warning("head_dim %d does not fit the attention kernel: GGUF block kernels take float32 activations",
                     cfg.head_dim)
@@ -425,7 +424,7 @@ def load_gguf(path: str, dtype=jnp.float32, mesh=None, quant_kernels: bool = Fal
                                          for a in (q.codes, q.scales, q.mins)))
             blocks[name] = q
     cfg, weights = assemble_target(cfg, tensors, path, dtype, mesh, blocks,
-                                   kernels and kernels.block_targets(activations), activations == "int8")
+                                   kernels and kernels.block_targets(activations), activations)
     return LoadedModel(cfg, weights, Tokenizer.from_gguf(reader, path), path, mesh)
 
 
@@ -454,7 +453,7 @@ def default_model_path() -> str:
 
 
 def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kernels: bool = False,
-               activations: str = "int8") -> LoadedModel:
+               activations: str = "int16") -> LoadedModel:
     """Load a target from a HF directory, a .gguf file, a hub name ("org/name[@revision]", see model/hub.py), or
     (None / "default") the embedded SmolLM2.  `quant_kernels`: run a GGUF file's block-quantized matrices and
     (any target's) paged attention on the CPU kernels where they can run (see load_gguf); inference only (training
@@ -480,7 +479,7 @@ def load_model(path: str | None = None, dtype=jnp.float32, mesh=None, quant_kern
             model = dataclasses.replace(model, weights=dataclasses.replace(
                 model.weights, attention_kernel=kernels.attention, kv_write_kernel=kernels.kv_write,
                 argmax_kernel=kernels.argmax))
-        if stackable(model.weights.layers):  # the int8 kernels read a layer in place: 14 step arguments, not 420
+        if stackable(model.weights.layers):  # the integer kernels read a layer in place: 14 step arguments, not 420
             model = dataclasses.replace(model, weights=dataclasses.replace(
                 model.weights, layers=stack_layers(model.weights.layers)))
     jax.block_until_ready(model.weights)  # transfers done: the checkpoint's host copies are gone ...

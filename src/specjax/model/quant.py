@@ -6,7 +6,8 @@ and the float32 matrix (the same values, bit for bit) for XLA.  `linear` and `he
 heads' views of the same product.  A product with few tokens (decoding, verification, small batches) reads the
 blocks: it is bound by the bytes of weights it streams, ~6x fewer than float32.  With float32 activations, wider
 products (prefill, large batches) are compute-bound and XLA's float32 dot is faster there (a static shape test,
-`KERNEL_MAX_TOKENS`); the int8-activation kernels take every product (QuantMatrix.int8).
+`KERNEL_MAX_TOKENS`); the integer-activation kernels (int16, the default, or int8) take every product
+(QuantMatrix.integer).
 """
 
 from __future__ import annotations
@@ -31,23 +32,29 @@ BLOCK_LAYOUT = {"Q4_0": (18, 2, False), "Q4_1": (20, 4, True), "Q8_0": (34, 2, F
 @dataclass(frozen=True)
 class QuantMatrix:
     codes: jax.Array  # [O, I/32, 16] uint8 (Q4: low nibbles = weights 0..15 of a block), [O, I/32, 32] int8 (Q8_0)
-    #                   or [O, I/32, 32] uint16 (bfloat16 bits); int8 ones rows interleaved by 8 (`interleave`):
+    #                   or [O, I/32, 32] uint16 (bfloat16 bits); integer ones rows interleaved by 8 (`interleave`):
     #                   [ceil(O/8), I/32, 128] (Q4) or [ceil(O/8), I/32, 256] (Q8_0)
-    scales: jax.Array | None  # [O, I/32] uint16: the file's float16 bits (int8 ones [ceil(O/8), I/32, 8]); None: BF16
+    scales: jax.Array | None  # [O, I/32] uint16: the file's float16 bits (integer: [ceil(O/8), I/32, 8]); None: BF16
     mins: jax.Array | None  # [O, I/32] uint16 float16 bits (Q4_1; laid out as scales) or None
-    dense: jax.Array | None  # [O, I] float32: the same weights dequantized; None for an int8 one (never read)
+    dense: jax.Array | None  # [O, I] float32: the same weights dequantized; None for an integer one (never read)
     target: str = dataclasses.field(metadata=dict(static=True))  # registered FFI target of the kernel
-    # the kernel quantizes activations to int8 (kernels.block_targets("int8")): then every product goes to it, of
-    # any width, since XLA's float32 product of the dense copy would be another function of x (a row's result must
-    # not depend on how many rows share its step: losslessness); it is as fast as XLA's dot up to 64 tokens
-    int8: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    rows: int = dataclasses.field(default=0, metadata=dict(static=True))  # O (int8: the codes hold groups of 8)
+    # how the kernel takes its activations (kernels.ACTIVATIONS): quantized to "int16" or "int8" integers (then
+    # every product goes to it, of any width, since XLA's float32 product of the dense copy would be another
+    # function of x: a row's result must not depend on how many rows share its step, losslessness; it is as fast
+    # as XLA's dot up to 64 tokens), or "float32"
+    activations: str = dataclasses.field(default="float32", metadata=dict(static=True))
+    rows: int = dataclasses.field(default=0, metadata=dict(static=True))  # O (integer: the codes hold groups of 8)
     # the arrays hold every layer's matrix stacked on a leading axis (model/stack.py) and this one is `layer`
     layer: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
+    def integer(self) -> bool:
+        """Does the kernel quantize activations to integers (rows interleaved by 8, no float32 product)?"""
+        return self.activations != "float32"
+
+    @property
     def shape(self) -> tuple[int, int]:
-        rows = self.rows if self.int8 else self.codes.shape[-3]
+        rows = self.rows if self.integer else self.codes.shape[-3]
         return rows, self.codes.shape[-2] * 32  # Q4: 16 bytes of codes hold a block of 32
 
 
@@ -98,7 +105,7 @@ class HostBlocks:
 
 
 def interleave(blocks: HostBlocks) -> HostBlocks:
-    """The int8 kernels' layout: rows interleaved 8 at a time (zero rows pad the last group).  For row group g and
+    """The integer kernels' layout: rows interleaved 8 at a time (zero rows pad the last group).  For row group g and
     block b, 32-byte vector j's 4-byte lane r holds row 8g + r's code bytes 4j .. 4j + 3 (kernels/quant_matmul.cc):
     codes [G, B, 128] (Q4) or [G, B, 256] (Q8_0), scales / mins [G, B, 8]."""
     o, b, n = blocks.codes.shape
@@ -117,7 +124,7 @@ def interleave(blocks: HostBlocks) -> HostBlocks:
 
 
 def deinterleave(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, kind: str, rows: int) -> HostBlocks:
-    """`interleave` undone: the [O, B, ...] blocks of an int8 QuantMatrix's arrays."""
+    """`interleave` undone: the [O, B, ...] blocks of an integer QuantMatrix's arrays."""
     g, b, n = codes.shape
     words = np.ascontiguousarray(codes).view(np.uint32).reshape(g, b, n // 32, 8)  # [G, B, J, 8 rows]
     plain = words.transpose(0, 3, 1, 2).reshape(g * 8, b, n // 32)[:rows]
@@ -136,7 +143,7 @@ def plain_blocks(w: QuantMatrix, kind: str) -> HostBlocks:
 
     codes, scales = host(w.codes), host(w.scales)
     mins = None if w.mins is None else host(w.mins)
-    if w.int8:
+    if w.integer:
         return deinterleave(codes, scales, mins, kind, w.rows)
     return HostBlocks(kind, codes, scales, mins)
 
@@ -148,20 +155,21 @@ def block_kind(w: QuantMatrix) -> str:
     return "Q8_0" if w.codes.dtype == jnp.int8 else "Q4_1" if w.mins is not None else "Q4_0"
 
 
-def to_device(blocks: HostBlocks, dense: jax.Array | None, target: str, int8: bool = False) -> QuantMatrix:
-    """`dense`: the same matrix already on the device (float32; shared, not copied), or None for an int8 one (every
-    product goes to the kernel); `int8`: `target` is an int8-activation kernel (QuantMatrix.int8)."""
-    if dense is None and not int8:
+def to_device(blocks: HostBlocks, dense: jax.Array | None, target: str, activations: str = "float32") -> QuantMatrix:
+    """`dense`: the same matrix already on the device (float32; shared, not copied), or None for an integer one
+    (every product goes to the kernel); `activations`: those `target` takes (QuantMatrix.activations)."""
+    integer = activations != "float32"
+    if dense is None and not integer:
         raise ValueError("a float32-activation QuantMatrix needs its dense copy (wide products run on XLA)")
     if dense is not None and (tuple(dense.shape) != (blocks.codes.shape[0], blocks.codes.shape[1] * 32)
                               or dense.dtype != jnp.float32):
         raise ValueError(f"dense {dense.dtype}{tuple(dense.shape)} does not match the blocks {blocks.codes.shape}")
     put = jax.device_put  # a transfer; jnp.asarray of these integer arrays compiles a program per shape
     rows = blocks.codes.shape[0]
-    if int8:
+    if integer:
         blocks = interleave(blocks)
     mins = None if blocks.mins is None else put(blocks.mins)
-    return QuantMatrix(put(blocks.codes), put(blocks.scales), mins, dense, target, int8, rows if int8 else 0)
+    return QuantMatrix(put(blocks.codes), put(blocks.scales), mins, dense, target, activations, rows if integer else 0)
 
 
 def dense(w) -> jax.Array:
@@ -169,7 +177,7 @@ def dense(w) -> jax.Array:
     if not isinstance(w, QuantMatrix):
         return w
     if w.dense is None:
-        raise ValueError(f"this {w.shape} int8-kernel matrix keeps no float32 copy: its products take float32 "
+        raise ValueError(f"this {w.shape} integer-kernel matrix keeps no float32 copy: its products take float32 "
                          "activations on the kernel only (load with --kernel-activations float32 for XLA's)")
     return w.dense
 
@@ -190,13 +198,13 @@ def bf16_matrix(w, target: str) -> QuantMatrix | None:
     return QuantMatrix(jax.device_put(codes), None, None, dense, target)
 
 
-def q8_0_matrix(w, target: str) -> QuantMatrix | None:
-    """A float [O, I] matrix (on the device or the host) quantized as Q8_0 for the int8-activation kernel `target`
-    (an int8 QuantMatrix), or None when its rows are not whole blocks of 32."""
+def q8_0_matrix(w, target: str, activations: str = "int8") -> QuantMatrix | None:
+    """A float [O, I] matrix (on the device or the host) quantized as Q8_0 for the integer-activation kernel
+    `target` (taking `activations`), or None when its rows are not whole blocks of 32."""
     host = np.asarray(w, np.float32)
     if host.ndim != 2 or host.shape[1] % 32:
         return None
-    return to_device(HostBlocks.quantize_q8_0(host), None, target, int8=True)
+    return to_device(HostBlocks.quantize_q8_0(host), None, target, activations)
 
 
 def linear(x: jax.Array, w) -> jax.Array:
@@ -218,9 +226,9 @@ def take_rows(w, ids: jax.Array):
     def take(a):  # on the host: a QuantMatrix lives on one CPU device, and an eager take compiles per shape
         return None if a is None else jax.device_put(np.take(np.asarray(a), rows, axis=0))
 
-    if w.int8:  # rows interleaved by 8: cut from the plain blocks, interleaved again
-        return to_device(plain_blocks(w, block_kind(w)).rows(rows), take(w.dense), w.target, True)
-    return QuantMatrix(take(w.codes), take(w.scales), take(w.mins), take(w.dense), w.target, w.int8)
+    if w.integer:  # rows interleaved by 8: cut from the plain blocks, interleaved again
+        return to_device(plain_blocks(w, block_kind(w)).rows(rows), take(w.dense), w.target, w.activations)
+    return QuantMatrix(take(w.codes), take(w.scales), take(w.mins), take(w.dense), w.target, w.activations)
 
 
 def head_product(w, rows: jax.Array) -> jax.Array:
@@ -233,10 +241,10 @@ def head_product(w, rows: jax.Array) -> jax.Array:
 
 
 def matmul(w, x: jax.Array) -> jax.Array:
-    """W[O, I] @ x[I, M] -> [O, M]: the kernel for a QuantMatrix and M <= KERNEL_MAX_TOKENS (any M for an int8
-    one), else XLA."""
+    """W[O, I] @ x[I, M] -> [O, M]: the kernel for a QuantMatrix and M <= KERNEL_MAX_TOKENS (any M for an
+    integer one), else XLA."""
     if (not isinstance(w, QuantMatrix) or x.dtype != jnp.float32
-            or (x.shape[1] > KERNEL_MAX_TOKENS and not w.int8)):
+            or (x.shape[1] > KERNEL_MAX_TOKENS and not w.integer)):
         return dense(w) @ x
     return kernel_product(w, x)
 

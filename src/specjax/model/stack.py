@@ -5,7 +5,7 @@ A call of a compiled step spends ~1-2 us of the host per argument (JAX's signatu
 usage holds), and on the CPU kernels the host's time is the step's: SmolLM2's 30 layers were 420 of a decode step's
 ~535 arguments.  `LayerStack` is a pytree whose leaves are the stacked arrays; indexing it gives the layer as the
 model code reads it (its QuantMatrix fields point at the stacked blocks with their `layer`, which the kernels read
-in place; its small vectors are sliced).  Only int8-kernel matrices are stacked (model/loader.py decides): a float
+in place; its small vectors are sliced).  Only integer-kernel matrices are stacked (model/loader.py decides): a float
 matrix would be copied out of the stack by every product that reads it.
 """
 
@@ -59,7 +59,7 @@ def first_layer(layers):
 
 def stackable(layers) -> bool:
     """Can `layers` (a tuple of one dataclass type) be a LayerStack?  When all have the same structure and shapes
-    and every matrix among their fields is an int8-kernel QuantMatrix (no float copy)."""
+    and every matrix among their fields is an integer-kernel QuantMatrix (no float copy)."""
     if len(layers) < 2 or isinstance(layers, LayerStack):
         return False
     first = jax.tree.structure(layers[0])
@@ -69,7 +69,7 @@ def stackable(layers) -> bool:
             return False
         for f in dataclasses.fields(layer):
             w = getattr(layer, f.name)
-            if w is None or isinstance(w, QuantMatrix) and w.int8 and w.dense is None and w.layer is None:
+            if w is None or isinstance(w, QuantMatrix) and w.integer and w.dense is None and w.layer is None:
                 continue
             if isinstance(w, QuantMatrix) or getattr(w, "ndim", 0) > 1:
                 return False

@@ -73,7 +73,7 @@ class TargetLayer:
 @dataclass(frozen=True)
 class TargetWeights:
     embed: jax.Array  # [V, D]
-    layers: tuple[TargetLayer, ...]  # or a LayerStack of them (model/stack.py: int8 kernels, one device)
+    layers: tuple[TargetLayer, ...]  # or a LayerStack of them (model/stack.py: integer kernels, one device)
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None  # [V, D], or None when tied to `embed`
     head_blocks: QuantMatrix | None = None  # the LM head's rows as GGUF blocks for `logits` (model/quant.py)
@@ -85,17 +85,17 @@ class TargetWeights:
     argmax_kernel: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
-    def int8_products(self) -> bool:
-        """Do the layers' products run on the int8-activation GGUF kernels (QuantMatrix.int8)?"""
+    def integer_products(self) -> bool:
+        """Do the layers' products run on the integer-activation GGUF kernels (QuantMatrix.integer)?"""
         w = first_layer(self.layers).w_qkv
-        return isinstance(w, QuantMatrix) and w.int8
+        return isinstance(w, QuantMatrix) and w.integer
 
     @property
     def attention_any_queries(self) -> bool:
-        """Does every attention of a forward go to the kernel, prefill chunks included?  Yes on int8-activation
-        GGUF kernels (QuantMatrix.int8): a row's result must not depend on its step's shape there, and XLA's
+        """Does every attention of a forward go to the kernel, prefill chunks included?  Yes on integer-activation
+        GGUF kernels (QuantMatrix.integer): a row's result must not depend on its step's shape there, and XLA's
         gathered attention rounds differently with the padding."""
-        return self.attention_kernel is not None and self.int8_products
+        return self.attention_kernel is not None and self.integer_products
 
     @property
     def vocab_rows(self) -> jax.Array:
