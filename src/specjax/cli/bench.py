@@ -1,4 +1,5 @@
-"""`specjax bench`, `specjax analyze kflat`, `specjax analyze accel` and `specjax analyze theory`."""
+"""`specjax bench`, `specjax analyze kflat`, `specjax analyze numerics`, `specjax analyze accel` and `specjax analyze
+theory`."""
 
 from __future__ import annotations
 
@@ -163,6 +164,32 @@ def cmd_analyze_kflat(args) -> int:
     return 0
 
 
+def cmd_analyze_numerics(args) -> int:
+    from specjax.bench.numerics import analyze
+    from specjax.kernels import ACTIVATIONS
+
+    variants = [a for a in args.variants.split(",") if a]
+    bad = [a for a in variants if a not in ACTIVATIONS]
+    if bad:
+        raise ConfigError(f"unknown kernel activations {', '.join(bad)} (choose from {', '.join(ACTIVATIONS)})")
+    report = analyze(args.model, variants, args.answers, args.plain, args.ablate, args.greedy_prompts,
+                     args.max_new_tokens, args.llamacpp, args.store, args.data_dir,
+                     progress=lambda m: print(m, file=sys.stderr, flush=True))
+    report["machine"] = machine_info()
+    print(f"{'variant':<26} {'text':<8} {'KL':>9} {'top-1':>7} {'gap>0.5':>8} {'ppl':>8} {'f32 ppl':>8}")
+    for name, kinds in report["teacher_forced"].items():
+        for kind, r in kinds.items():
+            print(f"{name:<26} {kind:<8} {r['kl']:>9.2e} {r['top1_agreement']:>7.4f} {r['top1_agreement_clear']:>8.4f}"
+                  f" {r['perplexity']:>8.3f} {r['float32_perplexity']:>8.3f}")
+    for name, r in report.get("greedy", {}).items():
+        print(f"greedy {name:<10} equal {r['equal']}/{r['prompts']}, first token differs {r['first_token_differs']}, "
+              f"median first parting {r['median_first_parting']}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
+
+
 def cmd_analyze_accel(args) -> int:
     import jax.numpy as jnp
 
@@ -265,6 +292,22 @@ def register(sub) -> None:
     k.add_argument("--out-dir", default=None, help="write kflat.json and kflat.png here")
     k.add_argument("--compile-cache", default=DEFAULT_CACHE)
     k.set_defaults(func=cmd_analyze_kflat)
+    n = asub.add_parser("numerics", help="how far the CPU kernels' activation types move a GGUF target from its "
+                        "float32 model: teacher-forced KL, top-1 agreement, perplexity; greedy agreement (JSON)")
+    n.add_argument("--model", default=None)
+    n.add_argument("--variants", default="int16,int8,float32", help="kernel activation types to compare")
+    n.add_argument("--answers", type=int, default=24, help="held-out target answers, teacher-forced")
+    n.add_argument("--plain", type=int, default=12, help="plain texts (gsm8k solutions), teacher-forced")
+    n.add_argument("--store", default=None, help="token store of held-out answers (default data/heldout-smollm2)")
+    n.add_argument("--ablate", action="store_true",
+                   help="also each product role (qkv, o, gate_up, down, head) alone on the other integer type")
+    n.add_argument("--greedy-prompts", type=int, default=4,
+                   help="per dataset: held-out prompts (30..) whose greedy answers are compared (0: none)")
+    n.add_argument("--max-new-tokens", type=int, default=48)
+    n.add_argument("--llamacpp", action="store_true", help="also llama.cpp's logits (llama-cpp-python)")
+    n.add_argument("--data-dir", default=None)
+    n.add_argument("--out", default=None, help="write the JSON report here")
+    n.set_defaults(func=cmd_analyze_numerics)
     ac = asub.add_parser("accel", help="the accelerator check: random-weight Qwen3-4B / Llama-3.1-8B / SmolLM2 "
                          "targets and z-lab-shaped drafters; t(q)/t(1) and DFlash TPOT at fixed tau (JSON + PNG)")
     ac.add_argument("--presets", default="qwen3-4b,llama-3.1-8b,smollm2-135m",
