@@ -5,10 +5,12 @@ both see the same phases of a noisy VM (a process-level A/B, scripts/kflat_ab.py
 there; the null, A = B, reads 0.993-1.005x here).
 
     python scripts/kernel_step_ab.py --a HEAD [--b WORKTREE] [--q 1,4] [--context 512] [--batch 1] [--bursts 300]
-                                     [--a-kv-dtype float32 --b-kv-dtype float16] [--out FILE]
+                                     [--a-kv-dtype float32 --b-kv-dtype float16]
+                                     [--a-activations int8 --b-activations int16] [--out FILE]
 
 Only the kernels differ: the Python of the step (model, XLA) is the working tree's, and both kernels compute on the
-working tree's weight layout, so pair revisions whose kernels take the same layout (model/quant.py).  Revisions whose
+working tree's weight layout, so pair revisions whose kernels take the same layout (model/quant.py); the integer
+activation types share it, so each side may take its own (a revision without int16 handlers: int8 only).  Revisions whose
 kernels/workers.h differ must name different namespaces (their helpers would be shared otherwise).  Reports per q
 the median step time of each and B's speedup (the median over bursts of A / B of adjacent bursts).
 """
@@ -50,7 +52,7 @@ def register(src_dir: str, cache: str, label: str) -> dict[str, str]:
         path = build(os.path.join(src_dir, source), jax.ffi.include_dir(), cache, compiler,
                      jax.__version__ + cpu_flags())
         lib = ctypes.CDLL(path)
-        for symbol in symbols:
+        for symbol in (s for s in symbols if hasattr(lib, s)):  # an older revision lacks newer handlers
             names[symbol] = f"ab_{label}_{symbol.lower()}_{os.path.basename(path)[:-3].rsplit('-', 1)[1]}"
             jax.ffi.register_ffi_target(names[symbol], jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return names
@@ -79,6 +81,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="steps per burst")
     p.add_argument("--a-kv-dtype", default=None, help="A's KV pool dtype (default: the engine's \"auto\")")
     p.add_argument("--b-kv-dtype", default=None, help="B's KV pool dtype")
+    p.add_argument("--a-activations", default="int8", choices=("int8", "int16"), help="A's integer activations")
+    p.add_argument("--b-activations", default="int8", choices=("int8", "int16"))
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from specjax.bench.kflat import verify_steps
@@ -94,10 +98,13 @@ def main() -> None:
         for label, rev in (("a", args.a), ("b", args.b)):
             names = register(os.path.dirname(kernel_sources(rev, os.path.join(tmp, label))), os.path.join(tmp, "so"),
                              label)
-            weights = retarget(model.weights, {t: names[h] for t, h in loaded.items()})
+            suffix = "I16" if getattr(args, f"{label}_activations") == "int16" else "I8"
+            mine = {t: h[:-2] + suffix if h.endswith("I8") else h for t, h in loaded.items()}
+            weights = retarget(model.weights, {t: names[h] for t, h in mine.items() if h in names})
             steps[label] = verify_steps(model.config, weights, qs, args.context, batch=args.batch,
                                         kv_dtype=getattr(args, f"{label}_kv_dtype"))
     report = {"a": args.a, "b": args.b, "a_kv_dtype": args.a_kv_dtype, "b_kv_dtype": args.b_kv_dtype,
+              "a_activations": args.a_activations, "b_activations": args.b_activations,
               "context": args.context, "batch": args.batch, "results": {}}
     for q in qs:
         for label in "ab":
