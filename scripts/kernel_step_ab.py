@@ -10,9 +10,9 @@ there; the null, A = B, reads 0.993-1.005x here).
 
 Only the kernels differ: the Python of the step (model, XLA) is the working tree's, and both kernels compute on the
 working tree's weight layout, so pair revisions whose kernels take the same layout (model/quant.py); the integer
-activation types share it, so each side may take its own (a revision without int16 handlers: int8 only).  Revisions whose
-kernels/workers.h differ must name different namespaces (their helpers would be shared otherwise).  Reports per q
-the median step time of each and B's speedup (the median over bursts of A / B of adjacent bursts).
+activation types share it, so each side may take its own (a revision without int16 handlers: int8 only).
+Revisions whose kernels/workers.h differ must name different namespaces (their helpers would be shared otherwise).
+Reports per q the median step time of each and B's speedup (the median over bursts of A / B of adjacent bursts).
 """
 
 import argparse

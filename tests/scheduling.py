@@ -7,7 +7,7 @@ import os
 from xdist.scheduler import LoadFileScheduling
 
 UNOPTIMIZED_WORKER = "gw1"
-# Files whose claim is about the numerics users get: the real SmolLM2 weights, the int8 / GGUF kernels, and the
+# Files whose claim is about the numerics users get: the real SmolLM2 weights, the integer / GGUF kernels, and the
 # lossless test: they run only as users' programs are built.  (At -O0 DFlash on SmolLM2's int8 kernels once
 # parted from plain decoding: a K/V row rounded twice to float16, fixed in session 56; docs/architecture.md.)
 PRODUCTION_FILES = frozenset({"tests/spec/test_lossless.py", "tests/test_smollm.py", "tests/model/test_quant.py",

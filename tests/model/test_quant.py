@@ -185,6 +185,20 @@ def test_build_failure_names_the_compiler_error(tmp_path):
         build(str(src), str(tmp_path), str(tmp_path / "out"), "g++")
 
 
+def test_kernel_builds_this_cpu_can_run():
+    """`isa_flags`: the native build adds nothing, the AVX2 build turns AVX-512 off where the CPU has AVX2 + FMA, and a
+    build this CPU cannot run is refused, naming the choices."""
+    from specjax.kernels import isa_flags
+
+    avx512, avx2 = "f16c fma avx2 avx512f avx512bw", "f16c fma avx2"
+    assert isa_flags(None, avx512) == isa_flags("native", avx2) == isa_flags("AVX2", avx2) == ()
+    assert isa_flags("AVX2", avx512) == isa_flags("avx2", avx512) == ("-mno-avx512f",)
+    with pytest.raises(KernelUnavailable, match=r"'AVX-512F' cannot run here \(choose from native, AVX2; this CPU"):
+        isa_flags("AVX-512F", avx2)
+    with pytest.raises(KernelUnavailable, match="neither AVX-512F nor AVX2"):
+        isa_flags("AVX2", "f16c sse4_2")
+
+
 def test_disabled_by_environment(monkeypatch):
     from specjax.kernels import _load_quant_kernels
 

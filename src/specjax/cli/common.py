@@ -164,7 +164,6 @@ def machine_info() -> dict:
     import jax
 
     import specjax
-
     from specjax.kernels import cpu_flags, cpu_model, simd_isa
 
     flags = cpu_flags()

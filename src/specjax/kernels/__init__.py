@@ -104,7 +104,8 @@ def cpu_model() -> str:
                     break
     except OSError:
         return "unknown"
-    return f"{info.get('model name', 'unknown')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
+    family, model = info.get("cpu family", "?"), info.get("model", "?")
+    return f"{info.get('model name', 'unknown')} (family {family}, model {model})"
 
 
 def simd_isa(flags: str) -> str | None:
@@ -126,9 +127,10 @@ def isa_flags(isa: str | None, flags: str) -> tuple[str, ...]:
     native = simd_isa(flags)
     if native is None:
         raise KernelUnavailable("this CPU has neither AVX-512F nor AVX2 + FMA")
-    if isa in (None, "native", native):
+    choice = (isa or "native").lower()
+    if choice in ("native", native.lower()):
         return ()
-    if isa == "AVX2" and {"avx2", "fma"} <= set(flags.split()):
+    if choice == "avx2" and {"avx2", "fma"} <= set(flags.split()):
         return ("-mno-avx512f",)
     raise KernelUnavailable(f"kernel build {isa!r} cannot run here (choose from native, AVX2; this CPU: {native})")
 
