@@ -35,8 +35,8 @@ class FeatureCache:
         self.tap_indices = tuple(self.meta["tap_indices"])
         self.hidden = self.meta["hidden_size"]
         self.max_len = self.meta["max_len"]
-        # the kernels' activations ("int8" / "float32") when the target ran on the GGUF-block CPU kernels, None for
-        # XLA's float32 forward (caches from before this field)
+        # the kernels' activations ("int16" / "int8" / "float32") when the target ran on the GGUF-block CPU kernels,
+        # None for XLA's float32 forward (caches from before this field)
         self.kernel_activations = self.meta.get("kernel_activations")
         self.lengths = np.asarray(self.meta["lengths"], np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
