@@ -27,6 +27,28 @@ def test_statistics_of_hand_made_logits():
     assert got["perplexity"] < got["float32_perplexity"]  # row 1's label (1) gained probability
 
 
+def test_greedy_agreement_counts_partings_against_the_reference():
+    """Equal answers, a parting at token 0 and one later, against the reference engine (named apart from the
+    float32-activation kernels' variant, which once replaced it in the report)."""
+    from types import SimpleNamespace
+
+    from specjax.bench.numerics import REFERENCE, greedy_agreement
+
+    class Fake:
+        def __init__(self, answers):
+            self.answers = answers
+
+        def generate(self, prompts, params):
+            return [SimpleNamespace(token_ids=a) for a in self.answers]
+
+    llms = {REFERENCE: Fake([[1, 2, 3], [4, 5, 6], [7, 8, 9]]), "float32": Fake([[1, 2, 3], [4, 5, 6], [7, 8, 9]]),
+            "int8": Fake([[1, 2, 3], [0, 5, 6], [7, 8, 0]])}
+    report = greedy_agreement(llms, REFERENCE, [[0]] * 3, None)
+    assert report["float32"]["equal"] == 3 and report[REFERENCE]["equal"] == 3
+    assert report["int8"] == {"prompts": 3, "equal": 1, "first_token_differs": 1, "median_first_parting": 1.0,
+                              "partings": [None, 0, 2]}
+
+
 def test_role_ablation_swaps_only_that_roles_kernels(tiny_dirs, tmp_path):
     from specjax.kernels import quant_kernels
     from specjax.model.loader import load_model

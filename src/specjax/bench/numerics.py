@@ -7,7 +7,7 @@ and the perplexity of the text.  The float32 model is the same file on XLA's flo
 off).  Two kinds of text: the target's own greedy answers to held-out prompts (data/heldout-smollm2, the answer
 positions) and plain human-written text (gsm8k test solutions, no chat template).
 
-`where` ablations find where the error enters: every product on the kernels with the precise activation type but
+`--ablate` finds where the error enters: every product on the kernels with the precise activation type but
 one role (qkv, o, gate_up, down, head) on the coarse one, and the reverse.  The two integer types share the
 kernels' row layout, so a role's matrices only change their FFI target (`with_activations`).
 """
@@ -18,10 +18,13 @@ import dataclasses
 
 import numpy as np
 
+from specjax.config import ConfigError
 from specjax.model.quant import QuantMatrix, block_kind
+from specjax.model.stack import LayerStack
 
 ROLES = ("w_qkv", "w_o", "w_gate_up", "w_down", "head")
 NEAR_TIE = 0.5  # a float32 top-2 logit gap above this is not a near-tie
+REFERENCE = "xla float32"  # the float32 model's name in the greedy report (the variant "float32" is the kernels')
 
 
 def with_activations(weights, roles, activations: str, kernels):
@@ -33,14 +36,14 @@ def with_activations(weights, roles, activations: str, kernels):
             return w
         return dataclasses.replace(w, target=targets[block_kind(w)], activations=activations)
 
+    def swapped(layer):
+        return dataclasses.replace(layer, **{r: swap(getattr(layer, r)) for r in roles if r != "head"})
+
     layers = weights.layers
-    stacked = getattr(layers, "stacked", None)
-    fields = {r: swap for r in roles if r != "head"}
-    if stacked is not None:
-        layers = type(layers)(dataclasses.replace(stacked, **{r: swap(getattr(stacked, r)) for r in fields}),
-                              len(layers))
+    if isinstance(layers, LayerStack):  # one stacked layer stands for all
+        layers = LayerStack(swapped(layers.stacked), len(layers))
     else:
-        layers = tuple(dataclasses.replace(lay, **{r: swap(getattr(lay, r)) for r in fields}) for lay in layers)
+        layers = tuple(swapped(layer) for layer in layers)
     head = weights.head_blocks
     if "head" in roles and head is not None:
         head = swap(head)
@@ -57,7 +60,7 @@ def compare(ref: np.ndarray, got: np.ndarray, labels: np.ndarray) -> dict:
     `labels` [T]: sums, so that texts pool by adding."""
     lp, lq = log_softmax(ref), log_softmax(got)
     kl = np.sum(np.exp(lp) * (lp - lq), axis=-1)
-    top2 = np.sort(ref, axis=-1)[:, -2:]
+    top2 = np.sort(np.partition(ref, -2, axis=-1)[:, -2:], axis=-1)
     clear = (top2[:, 1] - top2[:, 0]) > NEAR_TIE
     agree = ref.argmax(-1) == got.argmax(-1)
     return {"positions": int(len(labels)), "kl_sum": float(kl.sum()), "kl_max": float(kl.max(initial=0.0)),
@@ -147,7 +150,7 @@ def llamacpp_forward(path: str, threads: int = 2):
     try:
         from llama_cpp import Llama
     except ImportError:
-        raise RuntimeError("--llamacpp needs llama-cpp-python (pip install llama-cpp-python==0.3.36)") from None
+        raise ConfigError("--llamacpp needs llama-cpp-python (pip install llama-cpp-python==0.3.36)") from None
     model = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, logits_all=True,
                   verbose=False)
 
@@ -193,11 +196,11 @@ def analyze(model: str | None, variants: list[str], answers: int, plain: int, ab
         prompts = [reference.tokenizer.encode_chat([{"role": "user", "content": p.turns[0]}])
                    for p in heldout_prompts(greedy, data_dir)]
         engine_cfg = EngineConfig(max_model_len=1024, max_num_seqs=1)
-        llms = {"float32": LLM(method="ar", target=reference, engine_config=engine_cfg)}
+        llms = {REFERENCE: LLM(method="ar", target=reference, engine_config=engine_cfg)}
         llms.update({a: LLM(method="ar", target=m, engine_config=engine_cfg) for a, m in loaded.items()})
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         progress(f"greedy: {len(prompts)} held-out prompts x {max_new_tokens} tokens")
-        report["greedy"] = greedy_agreement(llms, "float32", prompts, params)
+        report["greedy"] = greedy_agreement(llms, REFERENCE, prompts, params)
     return report
 
 

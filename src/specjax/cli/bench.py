@@ -182,7 +182,7 @@ def cmd_analyze_numerics(args) -> int:
             print(f"{name:<26} {kind:<8} {r['kl']:>9.2e} {r['top1_agreement']:>7.4f} {r['top1_agreement_clear']:>8.4f}"
                   f" {r['perplexity']:>8.3f} {r['float32_perplexity']:>8.3f}")
     for name, r in report.get("greedy", {}).items():
-        print(f"greedy {name:<10} equal {r['equal']}/{r['prompts']}, first token differs {r['first_token_differs']}, "
+        print(f"greedy {name:<12} equal {r['equal']}/{r['prompts']}, first token differs {r['first_token_differs']}, "
               f"median first parting {r['median_first_parting']}")
     if args.out:
         with open(args.out, "w") as fh:
