@@ -8,6 +8,7 @@ step, so a kernel change shows at the resolution a full `specjax analyze kflat` 
     python scripts/kernel_chain_ab.py --a HEAD --b int8-activations [--reps 15] [--m 1,4,8] [--out FILE]
     python scripts/kernel_chain_ab.py --a WORKTREE --b-activations int8 [--part layers|head]  # one build, two inputs
     taskset -c 1 python scripts/kernel_chain_ab.py ...   # one core
+    python scripts/kernel_chain_ab.py --isa AVX2 ...     # the AVX2 build, on an AVX-512 CPU too
 
 A revision's kernel is built from its kernels/quant_matmul.cc and headers (`git show`); WORKTREE means the working
 tree.  The blocks are this checkout's (model/quant.HostBlocks): revisions before 0b8db41 take float32 scales, later
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels import ACTIVATIONS, QUANT_HANDLERS, build, handler_key
+from specjax.kernels import ACTIVATIONS, QUANT_HANDLERS, build, cpu_flags, handler_key, isa_flags
 from specjax.model.gguf_file import dequantize
 from specjax.model.quant import HostBlocks, kernel_product, to_device
 
@@ -60,11 +61,12 @@ def kernel_sources(rev: str, out: str) -> str:
     return os.path.join(out, "quant_matmul.cc")
 
 
-def register(rev: str, tag: str, tmp: str, activations: str) -> None:
-    """Build `rev`'s kernel and register its Q4_1 and Q8_0 handlers (float32 or int8 activations) as
-    chain_{tag}_{kind}."""
+def register(rev: str, tag: str, tmp: str, activations: str, isa: str | None = None) -> None:
+    """Build `rev`'s kernel (for kernel build `isa`: None native, "AVX2") and register its Q4_1 and Q8_0 handlers
+    (float32, int8 or int16 activations) as chain_{tag}_{kind}."""
     source = kernel_sources(rev, os.path.join(tmp, tag))
-    lib = ctypes.CDLL(build(source, jax.ffi.include_dir(), os.path.join(tmp, tag, "build"), "g++", tag))
+    lib = ctypes.CDLL(build(source, jax.ffi.include_dir(), os.path.join(tmp, tag, "build"), "g++", tag,
+                            isa_flags(isa, cpu_flags())))
     for kind in ("Q4_1", "Q8_0"):
         handler = QUANT_HANDLERS[handler_key(kind, activations)]
         jax.ffi.register_ffi_target(f"chain_{tag}_{kind}", jax.ffi.pycapsule(getattr(lib, handler)), platform="cpu")
@@ -93,12 +95,13 @@ def main() -> int:
     p.add_argument("--b-activations", default="float32", choices=ACTIVATIONS)
     p.add_argument("--part", default="all", choices=["all", "layers", "head"],
                    help="the whole chain, its 120 layer matrices, or the head alone")
+    p.add_argument("--isa", default=None, choices=["native", "AVX2"], help="kernel build (default: native)")
     args = p.parse_args()
     chain_shapes = {"all": CHAIN, "layers": CHAIN[:-1], "head": CHAIN[-1:]}[args.part]
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        register(args.a, "a", tmp, args.a_activations)
-        register(args.b, "b", tmp, args.b_activations)
+        register(args.a, "a", tmp, args.a_activations, args.isa)
+        register(args.b, "b", tmp, args.b_activations, args.isa)
         blocks, dense = {}, {}
         for kind, rows, cols in set(chain_shapes):
             data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
