@@ -1,8 +1,11 @@
-"""The suite's own scheduling: which worker compiles unoptimized, and which files only the default build runs."""
+"""The suite's own rules: which worker compiles unoptimized, which files only the default build runs, and a missing
+real-weight checkpoint or reference package skipping here but failing in CI."""
 
 import os
 from collections import OrderedDict
 from types import SimpleNamespace
+
+import pytest
 
 from tests import helpers
 from tests.scheduling import PRODUCTION_FILES, ProductionFileScheduling, configure_worker_flags
@@ -87,3 +90,18 @@ def test_a_replacement_worker_takes_production_files():
     sched.workqueue = OrderedDict({PROD[0]: {f"{PROD[0]}::test_0": False}})
     sched._reschedule(gw2)
     assert list(sched.assigned_work[gw2]) == [PROD[0]] and not gw2.shutting_down
+
+
+def test_a_missing_checkpoint_or_reference_package_skips_but_fails_where_ci_is_set(monkeypatch):
+    for value, outcome in [(None, pytest.skip.Exception), ("", pytest.skip.Exception), ("0", pytest.skip.Exception),
+                           ("false", pytest.skip.Exception), ("true", pytest.fail.Exception),
+                           ("1", pytest.fail.Exception)]:
+        if value is None:
+            monkeypatch.delenv("CI", raising=False)
+        else:
+            monkeypatch.setenv("CI", value)
+        with pytest.raises(outcome):
+            helpers.missing("the default model is not installed")
+        with pytest.raises(outcome):
+            helpers.import_or_missing("specjax_no_such_module")
+    assert helpers.import_or_missing("json").dumps([]) == "[]"
