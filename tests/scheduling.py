@@ -7,11 +7,17 @@ import os
 from xdist.scheduler import LoadFileScheduling
 
 UNOPTIMIZED_WORKER = "gw1"
-# Files whose claim is about the numerics users get: the real SmolLM2 weights, the integer / GGUF kernels, and the
-# lossless test: they run only as users' programs are built.  (At -O0 DFlash on SmolLM2's int8 kernels once
-# parted from plain decoding: a K/V row rounded twice to float16, fixed in session 56; docs/architecture.md.)
-PRODUCTION_FILES = frozenset({"tests/spec/test_lossless.py", "tests/test_smollm.py", "tests/model/test_quant.py",
-                              "tests/model/test_argmax.py", "tests/parallel/test_smollm_tensor_parallel.py"})
+# Files whose claim is about the numerics users get: the real SmolLM2 weights, the integer / GGUF kernels, and every
+# lossless check (speculative output equals plain decoding: the lossless file, EAGLE-3, adaptive K, the drafter
+# extensions, the server's concurrent streams equal to each alone, tensor parallelism's equal tokens).  They run only
+# as users' programs are built: a row dependence that only an optimizing build brings would pass at -O0, and at -O0
+# DFlash on SmolLM2's int8 kernels once parted from plain decoding (a K/V row rounded twice to float16, fixed in
+# 7b098e3, 2026-12-07; docs/architecture.md).
+PRODUCTION_FILES = frozenset({
+    "tests/spec/test_lossless.py", "tests/test_smollm.py", "tests/model/test_quant.py", "tests/model/test_argmax.py",
+    "tests/parallel/test_smollm_tensor_parallel.py", "tests/parallel/test_tensor_parallel.py",
+    "tests/drafter/test_eagle3.py", "tests/drafter/test_extensions.py", "tests/engine/test_adaptive.py",
+    "tests/serve/test_server.py"})
 OPT_FLAG = "--xla_backend_optimization_level"
 
 

@@ -105,3 +105,9 @@ def test_a_missing_checkpoint_or_reference_package_skips_but_fails_where_ci_is_s
         with pytest.raises(outcome):
             helpers.import_or_missing("specjax_no_such_module")
     assert helpers.import_or_missing("json").dumps([]) == "[]"
+
+
+def test_every_production_file_exists():
+    """A renamed or moved file would silently leave the default build's list (and land on the -O0 worker)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert [f for f in PROD if not os.path.isfile(os.path.join(root, f))] == []

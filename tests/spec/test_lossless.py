@@ -222,7 +222,7 @@ def test_integer_kernel_target_stays_lossless_batched_padded_and_preempted(tiny_
                                                                            kv_cache_dtype):
     """The default CPU runtime of a GGUF target: every product on the int16-activation kernels (and on the int8
     ones, the explicit choice), where a one-ulp
-    difference upstream can move an activation across a rounding boundary (docs/results/kflat.md, session 31).
+    difference upstream can move an activation across a rounding boundary (docs/results/kflat.md).
     So every row must be computed the same way whatever shares its step: batched plain decoding equals each
     request decoded alone, and DFlash batched (block 8: up to 40 verified rows, wider than the float32 kernels
     take), with only the largest shapes compiled (every step padded), and a noisy oracle with preemption equal it.
