@@ -14,7 +14,8 @@ import numpy as np
 from specjax.config import ConfigError, ModelConfig
 from specjax.drafter.eagle3 import Eagle3Config, Eagle3Weights
 from specjax.model import hub
-from specjax.model.loader import CheckpointError, TensorReader, read_json, read_safetensors_dir
+from specjax.model.checkpoint import CheckpointError, TensorReader, read_json
+from specjax.model.hf_dir import read_safetensors_dir
 
 NAMES = {
     "fc": "fc.weight", "hidden_norm": "midlayer.hidden_norm.weight", "input_norm": "midlayer.input_layernorm.weight",

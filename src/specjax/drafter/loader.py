@@ -22,7 +22,8 @@ import numpy as np
 from specjax.config import DrafterConfig, ModelConfig, RopeConfig, default_target_layer_ids
 from specjax.drafter.dflash import DFlashWeights, DrafterLayer
 from specjax.model import hub
-from specjax.model.loader import CheckpointError, TensorReader, read_json, read_safetensors_dir
+from specjax.model.checkpoint import CheckpointError, TensorReader, read_json
+from specjax.model.hf_dir import read_safetensors_dir
 
 
 def drafter_layer_names(i: int) -> dict[str, str]:

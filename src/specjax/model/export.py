@@ -9,7 +9,8 @@ import os
 
 import numpy as np
 
-from specjax.model.loader import HF_GLOBAL_NAMES, LoadedModel, hf_layer_names
+from specjax.model.assemble import HF_GLOBAL_NAMES, hf_layer_names
+from specjax.model.checkpoint import LoadedModel
 from specjax.model.target import fused_row_order, gate_up_parts, qkv_parts
 
 

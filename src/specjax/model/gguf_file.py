@@ -154,6 +154,11 @@ def _q8_0(b: np.ndarray, out: np.ndarray) -> None:  # block: d (f16), 32 int8; x
 BLOCK_DEQUANT = {"Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1), "Q8_0": (34, _q8_0)}
 
 
+def gguf_field(reader: GGUFFile, key: str, default=None):
+    """Scalar, string or list value of a GGUF metadata key (default when absent)."""
+    return reader.fields.get(key, default)
+
+
 def dequantize(data: np.ndarray, tensor_type) -> np.ndarray:
     """A tensor's weights as a new float32 array: whole-array numpy for the block formats of BLOCK_DEQUANT (the
     `gguf` package loops over row groups: ~3x slower on SmolLM2's Q4_1 weights) and plain types, the `gguf`

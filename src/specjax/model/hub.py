@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 
+from specjax.model.checkpoint import CheckpointError
+
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[A-Za-z0-9_./-]+)?$")
 FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
 
@@ -26,8 +28,6 @@ def resolve(name: str, what: str = "model") -> str:
         return name
     repo, _, revision = name.partition("@")
     from huggingface_hub import constants, snapshot_download
-
-    from specjax.model.loader import CheckpointError
 
     cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # set after import too (tests, notebooks)
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")

@@ -9,6 +9,8 @@ from datetime import datetime
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from specjax.model.gguf_file import gguf_field
+
 # Pre-tokenizer split patterns of the byte-level BPE families llama.cpp names in `tokenizer.ggml.pre`.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -114,8 +116,6 @@ class Tokenizer:
 
     @staticmethod
     def from_gguf(reader, source: str = "") -> "Tokenizer":
-        from specjax.model.loader import gguf_field
-
         kind = gguf_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"{source}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
