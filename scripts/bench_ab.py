@@ -1,9 +1,15 @@
 """Paired A/B of `specjax bench`: a git revision (A) against the working tree (B), alternating in one run.
 
+Use it before committing a change that could move decoding speed (engine, model, kernels, drafter), to show the
+time per output token is unchanged or what it gains: on a shared or virtual machine two separate bench runs
+differ by more than most changes, so A and B must alternate on the same machine state.
+
     python scripts/bench_ab.py --base REV [--rounds 3] [--out FILE] -- --quick --methods ar,dflash@3
 
-Each round runs A then B as separate processes with the same bench flags (after `--`); the report is the
-median over rounds of each (dataset, method)'s TPOT, and B / A.  Used for issue #13's "step time unchanged".
+Each round runs A (REV checked out in a temporary git worktree) then B as separate processes with the same bench
+flags (everything after `--`; default `--quick`); the report is the median over rounds of each (dataset, method)'s
+TPOT (ms per output token) and B / A.  The README's table itself comes from one `specjax bench` run (its command
+is given there).
 """
 
 import argparse

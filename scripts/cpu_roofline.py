@@ -1,7 +1,11 @@
 """The floor under a decode / verify step on this CPU: measured float32 FMA peak, integer byte-dot peak and memory
 read bandwidth (scripts/cpu_roofline.cc), against the bytes a step streams and the multiply-adds it does per token.
 
-    python scripts/cpu_roofline.py [--model PATH] [--kflat docs/results/kernels/avx2-kflat-ab-b1.json:B] [--out FILE]
+    python scripts/cpu_roofline.py [--model PATH] [--activations int16|int8|float32] [--avx2] [--out FILE]
+    specjax analyze kflat --out-dir kf && python scripts/cpu_roofline.py --kflat kf/kflat.json   # floor vs measured
+    python scripts/cpu_roofline.py --kflat ab.json:B      # side B of a scripts/kflat_ab.py report
+
+Use it to see how far a step is from what this CPU allows (how much a kernel change can still gain).
 
 For q tokens a step reads every quantized weight block once (bytes B) and does q x M multiply-adds (M = the
 weights' count), so t(q) >= max(B / read bandwidth, q M x P / byte-dot peak) on the integer kernels (P byte planes:

@@ -4,23 +4,27 @@ of products: SmolLM2-135M's 30 x (qkv 960x576, o 576x576, gate_up 3072x576, down
 tokens (or any M: the kernels are called directly), the two kernels interleaved in one process; with --xla, XLA's
 float32 dot on the same (dequantized) matrices too.  Only the products: no attention, norms or dispatch of a real
 step, so a kernel change shows at the resolution a full `specjax analyze kflat` A/B cannot reach on a noisy VM.
+Use it while working on kernels/quant_matmul.cc and its headers; confirm on whole steps with
+scripts/kernel_step_ab.py.
 
-    python scripts/kernel_chain_ab.py --a HEAD --b int8-activations [--reps 15] [--m 1,4,8] [--out FILE]
+    python scripts/kernel_chain_ab.py --a HEAD [--b WORKTREE] [--reps 15] [--m 1,4,8] [--out FILE]
     python scripts/kernel_chain_ab.py --a WORKTREE --b-activations int8 [--part layers|head]  # one build, two inputs
     taskset -c 1 python scripts/kernel_chain_ab.py ...   # one core
     python scripts/kernel_chain_ab.py --isa AVX2 ...     # the AVX2 build, on an AVX-512 CPU too
 
 A revision's kernel is built from its kernels/quant_matmul.cc and headers (`git show`); WORKTREE means the working
-tree.  The blocks are this checkout's (model/quant.HostBlocks): revisions before 0b8db41 take float32 scales, later
-ones the file's float16 bits, so compare revisions on the same side of that change.  Each reports the median and
-minimum over reps of the whole chain (ms) and B's speedup over A.  int8 matrices: from this revision on their rows
-are interleaved by 8 (model/quant.interleave), so pair int8 runs of revisions on the same side of that change too
-(across it, A computes on blocks laid out for B: its timing holds, its output does not; use scripts/kflat_ab.py).
+tree.  The blocks are this checkout's (model/quant.HostBlocks), laid out for each side's activations: revisions
+before 0b8db41 take float32 scales, later ones the file's float16 bits, so compare revisions on the same side of
+that change.  Each reports the median and
+minimum over reps of the whole chain (ms) and B's speedup over A.  Both sides take the default 16-bit integer
+activations unless --a-activations / --b-activations say otherwise.  Integer activations: since 62876fd the rows of
+an integer-kernel matrix are interleaved by 8 (model/quant.interleave), so pair integer runs of revisions on the
+same side of that change too (across it, the older side computes on blocks laid out for the newer: its timing
+holds, its output does not; use scripts/kflat_ab.py).
 """
 
 import argparse
 import ctypes
-import dataclasses
 import json
 import os
 import shutil
@@ -72,6 +76,16 @@ def register(rev: str, tag: str, tmp: str, activations: str, isa: str | None = N
         jax.ffi.register_ffi_target(f"chain_{tag}_{kind}", jax.ffi.pycapsule(getattr(lib, handler)), platform="cpu")
 
 
+def side_matrices(blocks: dict, shapes: list, tag: str, activations: str) -> list:
+    """The chain's matrices for side `tag`, laid out for its activations (integer ones: rows interleaved by 8)."""
+    def one(s):
+        # the kernels never read a QuantMatrix's float32 side: zeros stand in for it (integer ones keep none)
+        dense = None if activations != "float32" else jnp.zeros(s[1:], jnp.float32)
+        return to_device(blocks[s], dense, f"chain_{tag}_{s[0]}", activations)
+
+    return [one(s) for s in shapes]
+
+
 def chain(ws, x):
     """The chain's products on the kernel (any M), or on XLA's float32 dot for plain [O, I] arrays."""
     total = jnp.float32(0)
@@ -91,8 +105,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.add_argument("--xla", action="store_true", help="also time XLA's float32 dot on the dequantized matrices")
-    p.add_argument("--a-activations", default="float32", choices=ACTIVATIONS)
-    p.add_argument("--b-activations", default="float32", choices=ACTIVATIONS)
+    p.add_argument("--a-activations", default=ACTIVATIONS[0], choices=ACTIVATIONS, help="default: int16")
+    p.add_argument("--b-activations", default=ACTIVATIONS[0], choices=ACTIVATIONS)
     p.add_argument("--part", default="all", choices=["all", "layers", "head"],
                    help="the whole chain, its 120 layer matrices, or the head alone")
     p.add_argument("--isa", default=None, choices=["native", "AVX2"], help="kernel build (default: native)")
@@ -109,10 +123,8 @@ def main() -> int:
             blocks[(kind, rows, cols)] = HostBlocks.from_gguf(data, kind)
             if args.xla:
                 dense[(kind, rows, cols)] = dequantize(data, gguf.GGMLQuantizationType[kind])
-        # the kernels never read a QuantMatrix's float32 side: zeros stand in for it
-        mats = [to_device(blocks[s], jnp.zeros(s[1:], jnp.float32), "") for s in chain_shapes]
-        sides = {tag: [dataclasses.replace(w, target=f"chain_{tag}_{s[0]}") for w, s in zip(mats, chain_shapes)]
-                 for tag in ("a", "b")}
+        sides = {tag: side_matrices(blocks, chain_shapes, tag, acts)
+                 for tag, acts in (("a", args.a_activations), ("b", args.b_activations))}
         if args.xla:  # every matrix its own buffer, as the kernels' blocks are
             sides["xla"] = [jnp.array(dense[s]) for s in chain_shapes]
         step = jax.jit(chain)

@@ -1,5 +1,6 @@
 """In-process paired A/B of the native kernels (kernels/*.cc) of two git revisions on whole decode / verify steps of
-the embedded target: both revisions' kernels are built and registered in one process, the model is loaded once, A's
+the embedded target.  Use it for a change to the CPU kernels whose effect on a step is smaller than the noise of a
+process-level A/B: both revisions' kernels are built and registered in one process, the model is loaded once, A's
 weights are B's with A's kernel targets, and the two steps alternate in short bursts (either first in turn), so
 both see the same phases of a noisy VM (a process-level A/B, scripts/kflat_ab.py, moves 10-20% between rounds
 there; the null, A = B, reads 0.993-1.005x here).
@@ -7,10 +8,12 @@ there; the null, A = B, reads 0.993-1.005x here).
     python scripts/kernel_step_ab.py --a HEAD [--b WORKTREE] [--q 1,4] [--context 512] [--batch 1] [--bursts 300]
                                      [--a-kv-dtype float32 --b-kv-dtype float16]
                                      [--a-activations int8 --b-activations int16] [--out FILE]
+    python scripts/kernel_step_ab.py --a WORKTREE --a-activations int8   # the default int16 against int8
 
 Only the kernels differ: the Python of the step (model, XLA) is the working tree's, and both kernels compute on the
 working tree's weight layout, so pair revisions whose kernels take the same layout (model/quant.py); the integer
-activation types share it, so each side may take its own (a revision without int16 handlers: int8 only).
+activation types share it, so each side may take its own (default: int16, the product's default; a revision
+without int16 handlers: int8 only).
 Revisions whose kernels/workers.h differ must name different namespaces (their helpers would be shared otherwise).
 Reports per q the median step time of each and B's speedup (the median over bursts of A / B of adjacent bursts).
 """
@@ -81,14 +84,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="steps per burst")
     p.add_argument("--a-kv-dtype", default=None, help="A's KV pool dtype (default: the engine's \"auto\")")
     p.add_argument("--b-kv-dtype", default=None, help="B's KV pool dtype")
-    p.add_argument("--a-activations", default="int8", choices=("int8", "int16"), help="A's integer activations")
-    p.add_argument("--b-activations", default="int8", choices=("int8", "int16"))
+    p.add_argument("--a-activations", default="int16", choices=("int16", "int8"), help="A's integer activations")
+    p.add_argument("--b-activations", default="int16", choices=("int16", "int8"))
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from specjax.bench.kflat import verify_steps
     from specjax.model.loader import load_model
 
-    model = load_model(None, quant_kernels=True, activations="int8")
+    model = load_model(None, quant_kernels=True, activations="int8")  # int8 targets; each side swaps in its own
     ours = quant_kernels()
     loaded = {**{ours.targets[k]: QUANT_HANDLERS[k] for k in ours.targets},
               ours.attention: ATTENTION_HANDLER, ours.kv_write: KV_WRITE_HANDLER}  # target -> handler symbol

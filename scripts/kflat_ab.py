@@ -4,7 +4,12 @@
     python scripts/kflat_ab.py --a-flags=--no-quant-kernels [...]   # two settings of the working tree
 
 Each round runs A then B as separate processes (same flags, same machine state); the report is the median over
-rounds of each q's median, and of the drafter's block costs.  Used for issue #15's before/after table.
+rounds of each q's median, and of the drafter's block costs.
+
+Use it for a change to the cost of a verification step (kernels, attention, the model's layout): `specjax analyze
+kflat` times one step that scores q tokens at once (q = 1 is plain decoding; DFlash verifies K + 1 tokens), and
+this pairs two revisions, or two flag sets of the working tree, on the same machine state.  For kernel-only changes
+at a finer resolution see scripts/kernel_step_ab.py and scripts/kernel_chain_ab.py.
 """
 
 import argparse

@@ -1,5 +1,6 @@
 """llama.cpp's plain decoding against specjax's (plain and DFlash), on the same GGUF file, the same prompt tokens and
-the same machine, prompt by prompt in turn: the comparison the project's mission names.
+the same machine, prompt by prompt in turn: the comparison the project's mission names, and the README's
+"faster than llama.cpp" line (docs/results/peers.md).  Use it on a new machine, or after a change to decoding speed.
 
     pip install llama-cpp-python==0.3.36            # a separate venv is fine; PYTHONPATH must then see specjax
     python scripts/llamacpp_ab.py [--prompts 3] [--max-new-tokens 128] [--threads 2] > out.json
@@ -9,7 +10,7 @@ llama.cpp (`Llama.generate` on those tokens, greedy: top_k 1, temperature 0, n_t
 default DFlash engines each produce max-new-tokens tokens (no stop at EOS: every engine decodes the same count).
 TPOT is the time after the first new token divided by the tokens after it; the engines run one after another, in
 turn, so they never share the cores.  Also printed: how many leading tokens llama.cpp's greedy answer shares with
-specjax's (the two compute with different int8 schemes, so long answers may part).
+specjax's (llama.cpp takes int8 activations, specjax 16-bit ones by default, so long answers may part).
 """
 
 from __future__ import annotations

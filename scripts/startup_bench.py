@@ -1,4 +1,6 @@
-"""Start-up benchmark of the two commands a new user runs first (issue #13), measured from process launch.
+"""Start-up benchmark of the two commands a new user runs first, measured from process launch: the numbers of
+docs/results/startup.md and the README's start-up line.  Use it after a change to loading, compilation, the program
+store or memory use.
 
     python scripts/startup_bench.py generate --runs 3 --out docs/results/startup/generate.json
     python scripts/startup_bench.py serve --runs 3 --soak-s 600 --clients 32 --out docs/results/startup/serve.json
