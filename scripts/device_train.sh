@@ -40,8 +40,7 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 cache=${COMPILE_CACHE:-runs/device/jax-cache}
 
 regen() {
-  local prompts=${PROMPTS:?PROMPTS=DIR: the unpacked prompts.tgz of scripts/device_stage.sh}
-  local store=${STORE:-data/regen-smollm2} before start
+  local prompts=$PROMPTS store=${STORE:-data/regen-smollm2} before start
   before=$(wc -l < "$store/index.jsonl" 2>/dev/null || echo 0)
   start=$(date +%s)
   timeout "$(python3 -c "print(int($minutes * 60))")" python3 -m specjax.cli regenerate --target "$gguf" \
@@ -73,7 +72,9 @@ declare -A arm_args=(
   [scratch3]="--layers 3 --num-taps 5 --slot-embedding --lr 1e-3"
   [init]="--init ${INIT:-src/specjax/assets/drafters/smollm2-135m-instruct-dflash} --lr 2e-4"
 )
-if [ "$*" != regen ]; then
+if [ "$*" = regen ]; then
+  : "${PROMPTS:?PROMPTS=DIR: the unpacked prompts.tgz of scripts/device_stage.sh}"
+else
   for arm in "$@"; do
     [ -n "${arm_args[$arm]:-}" ] || { echo "unknown arm $arm (scratch2, scratch3, init; or regen alone)"; exit 2; }
   done
