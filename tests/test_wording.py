@@ -1,9 +1,9 @@
 """The project speaks of itself in dates, commits, machine types and descriptive names, and its docs hold together.
 
-`test_no_private_counters`: no tracked text file names a working session by number ("session 47", "sessions 43-45")
-or a training run by a code name ("recipe20"); a reader outside the project cannot look those up, while a date, a
-commit id or "the drafter shipped 2026-12-05" they can.  The patterns are built from pieces so that this file does
-not match them itself.
+`test_no_private_counters`: no tracked text file names a working session by its number (alone or as a range) or a
+training run by a numbered code name; a reader outside the project cannot look those up, while a date, a commit id
+or "the drafter shipped 2026-12-05" they can.  The patterns and the examples that test them are built from pieces,
+so that this file does not match them itself.
 
 `test_results_pages_and_links`: docs/results holds at most 10 pages, and every relative link in README.md and
 docs/**/*.md points at a file or folder that exists.
