@@ -264,7 +264,7 @@ def test_a_few_steps_reduce_the_loss(setup):
 
 
 def test_fc_init_equalises_massive_input_dimensions():
-    from specjax.train.trainer import scale_fc_init
+    from specjax.train.drafter_init import scale_fc_init
 
     fc = jax.random.normal(jax.random.PRNGKey(0), (6, 4)) * 0.02
     rms = jnp.asarray([1.0, 1.0, 3000.0, 2.0, 1.0, 0.5])
@@ -278,7 +278,8 @@ def test_init_from_target_layer_reproduces_its_context_keys_and_values(setup):
     """A drafter started from target layers (2, 3) reading tap 2 (= the input of layer 2): its first layer's
     context K/V rows equal the target's own layer-2 K/V rows (the tiny Qwen3 has q/k norms, copied too)."""
     from specjax.model import target as tgt
-    from specjax.train.trainer import DFlashMethod, init_from_target
+    from specjax.train.drafter_init import init_from_target
+    from specjax.train.methods import DFlashMethod
 
     target, _, _, tokens, *_ = setup
     cfg = drafter_config_for(target.config, num_layers=2, block_size=Q, target_layer_ids=(0, 1),
@@ -329,7 +330,7 @@ def test_grown_drafter_drafts_as_the_old_one_and_its_new_layer_trains(setup, tmp
     """--grow-layers: a saved 2-layer drafter loaded as 3 layers gives the same block logits (the new layer
     starts as an identity), saves and reloads as 3 layers, and the loss moves the new layer's output projection."""
     from specjax.drafter.loader import load_drafter, save_drafter
-    from specjax.train.trainer import DFlashMethod
+    from specjax.train.methods import DFlashMethod
 
     target, cfg, weights, tokens, taps, loss_mask, lengths = setup
     save_drafter(str(tmp_path / "two"), cfg, weights)
@@ -356,7 +357,9 @@ def test_grown_lr_scale_multiplies_only_the_appended_layers_updates(setup, tmp_p
     """--grown-lr-scale: one optimizer step of a grown drafter moves the appended layer's weights by exactly the
     scale times what the same step moves them without it, and every other leaf by the same amount as without it."""
     from specjax.drafter.loader import save_drafter
-    from specjax.train.trainer import DFlashMethod, TrainConfig, make_optimizer
+    from specjax.train.config import TrainConfig
+    from specjax.train.methods import DFlashMethod
+    from specjax.train.optimizer import make_optimizer
 
     target, cfg, weights, tokens, taps, loss_mask, lengths = setup
     save_drafter(str(tmp_path / "two"), cfg, weights)
@@ -390,8 +393,8 @@ def test_distillation_teacher_is_the_targets_own_next_token_distribution(setup):
     forward, draft-vocabulary columns); with distill = 1 the loss is the weighted KL computed by hand, it is 0
     when the teacher is the drafter itself, and distill = 0 gives the plain loss; through DFlashMethod the
     teacher tap rides after the drafter's taps and a few steps reduce the mixed loss."""
+    from specjax.train.methods import DFlashMethod
     from specjax.train.objective import teacher_logits
-    from specjax.train.trainer import DFlashMethod
 
     target, cfg, weights, tokens, taps, loss_mask, lengths = setup
     w, n = target.weights, target.config.num_layers

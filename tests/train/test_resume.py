@@ -14,7 +14,9 @@ import pytest
 
 from specjax.drafter.loader import drafter_config_for
 from specjax.model.loader import load_model
-from specjax.train.trainer import DFlashMethod, Eagle3Method, TrainConfig, train_drafter
+from specjax.train.config import TrainConfig
+from specjax.train.methods import DFlashMethod, Eagle3Method
+from specjax.train.trainer import train_drafter
 from tests.helpers import toy_store
 
 

@@ -13,9 +13,13 @@ import pytest
 
 from specjax.drafter.loader import drafter_config_for
 from specjax.model.loader import load_model
+from specjax.train.batches import SequenceBatches
+from specjax.train.config import TrainConfig
+from specjax.train.features import batch_features
+from specjax.train.methods import DFlashMethod
+from specjax.train.optimizer import make_optimizer, time_scale, train_step
 from specjax.train.store import TokenStore
-from specjax.train.trainer import (DFlashMethod, SequenceBatches, TrainConfig, batch_features, make_optimizer,
-                                   time_scale, train_drafter, train_step)
+from specjax.train.trainer import train_drafter
 from tests.helpers import toy_store
 from tests.train.test_store_and_regen import run_cli
 

@@ -10,10 +10,11 @@ import pytest
 from specjax.config import EngineConfig
 from specjax.datasets import Prompt, load_eval, load_train_prompts, recover_sharegpt
 from specjax.llm import LLM
+from specjax.train.batches import SequenceBatches
+from specjax.train.config import TrainConfig
 from specjax.train.features import FeatureCache
 from specjax.train.regen import regenerate
 from specjax.train.store import StoreUnion, TokenStore, open_stores
-from specjax.train.trainer import SequenceBatches, TrainConfig
 from tests.helpers import cpu_env, toy_store
 
 
@@ -185,8 +186,7 @@ def test_feature_cache_matches_online_features_and_resumes(tiny_dirs, tmp_path):
     import jax.numpy as jnp
 
     from specjax.model.loader import load_model
-    from specjax.train.features import FeatureCache, build_feature_cache
-    from specjax.train.trainer import target_features
+    from specjax.train.features import FeatureCache, build_feature_cache, target_features
 
     target = load_model(tiny_dirs["qwen3"])
     store = TokenStore(str(tmp_path / "data"), 300)
@@ -267,8 +267,7 @@ def test_taps_come_from_the_target_as_inference_runs_it(tiny_dirs, tmp_path):
     import jax.numpy as jnp
 
     from specjax.model.loader import load_model
-    from specjax.train.features import build_feature_cache
-    from specjax.train.trainer import target_features
+    from specjax.train.features import build_feature_cache, target_features
     from tests.helpers import kernels_expected, write_gguf_from_hf
 
     path = str(tmp_path / "llama-Q4_1.gguf")  # head_dim 16: the attention kernel takes it

@@ -8,19 +8,44 @@ and EAGLE-3 read different subsets of one cache).  Layout of a cache directory:
   features.f16    [rows, num_taps, hidden] float16; sequence i occupies rows offset_i .. offset_i + len_i
 Rows follow the store's order, each sequence truncated to max_len.  float16 keeps 11 mantissa bits (bf16: 8)
 and the cache refuses values beyond its range instead of storing infinities.
+
+Also the taps themselves: `target_features` (one frozen-target forward) and `batch_features` (a training batch's
+taps, from the cache when there is one, else that forward).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from functools import partial
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.config import ModelConfig
+from specjax.model import target as tgt
 from specjax.train.store import TokenStore
 
 F16_MAX = 65504.0
+
+
+@partial(jax.jit, static_argnames=("tcfg", "tap_indices"))
+def target_features(tw: tgt.TargetWeights, tokens, tcfg: ModelConfig, tap_indices: tuple[int, ...]):
+    """Frozen target taps for whole sequences [Bt, S] (causal within the sequence, nothing cached)."""
+    bt, s = tokens.shape
+    kv = tgt.init_kv_pages(tcfg.num_layers, 1, 1, tcfg.num_kv_heads, tcfg.head_dim, tw.embed.dtype)
+    batch = tgt.ForwardBatch(tokens, jnp.broadcast_to(jnp.arange(s)[None], (bt, s)),
+                             jnp.zeros((bt, s), jnp.int32), jnp.zeros((bt, 1), jnp.int32))
+    _, taps, _ = tgt.forward(tw, kv, batch, tcfg, tap_indices)
+    return jax.lax.stop_gradient(taps)
+
+
+def batch_features(target, tokens, seq_indices, tap_indices, cache=None) -> jax.Array:
+    """Taps for a training batch: from the feature cache when there is one, else one target forward."""
+    if cache is not None:
+        return jnp.asarray(cache.batch(seq_indices, tokens.shape[1], tap_indices))
+    return target_features(target.weights, jnp.asarray(tokens), target.config, tap_indices)
 
 
 class FeatureCache:
@@ -90,7 +115,6 @@ def build_feature_cache(target, store: TokenStore, out: str, tap_indices, max_le
     real tokens, 68% in store order); the resume point advances a window at a time.  `progress(done, total)`
     is called after every forward."""
     from specjax.parallel import mesh_size, replicate, shard_batch
-    from specjax.train.trainer import target_features
 
     weights = replicate(target.weights, mesh)
 

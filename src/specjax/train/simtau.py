@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.train.curves import plot_sim_curves, read_sim_curve  # noqa: F401 (their home was here: scripts use it)
+from specjax.train.features import batch_features
 from specjax.train.store import TokenStore
 
 
@@ -31,8 +33,6 @@ class HeldOutSet:
 
     def __init__(self, target, store: TokenStore, tap_indices, block_size: int, max_len: int = 512,
                  features=None, rows: int = 4):
-        from specjax.train.trainer import batch_features
-
         self.block_size = block_size
         seqs = []
         for index, (rec, toks) in enumerate(store.sequences()):
@@ -141,45 +141,3 @@ def leading_matches(drafts, truth) -> int:
     """How many leading drafts equal the target's tokens `truth` (what greedy verification accepts; a truth cut
     short by the answer's end accepts everything it has)."""
     return next((j for j, (a, b) in enumerate(zip(drafts, truth)) if a != b), min(len(drafts), len(truth)))
-
-
-def read_sim_curve(log_path: str) -> list[tuple[float, dict]]:
-    """(cumulative hours, sim dict) for every simulated-tau row of a learning-curve log, in order."""
-    import json
-
-    rows = []
-    with open(log_path) as fh:
-        for line in fh:
-            row = json.loads(line)
-            if "sim" in row:
-                rows.append((float(row.get("hours", 0.0)), row["sim"]))
-    return rows
-
-
-def plot_sim_curves(logs: dict[str, str], png_path: str, title: str = "", ks: tuple[int, ...] = (3, 7)) -> None:
-    """Simulated tau against wall-clock hours, one line per (run, K), one panel per held-out source."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    curves = {label: read_sim_curve(path) for label, path in logs.items()}
-    sources = sorted({s for rows in curves.values() for _, sim in rows for s in sim})
-    fig, axes = plt.subplots(1, len(sources), figsize=(3.2 * len(sources), 3.2), squeeze=False, sharey=True)
-    for ax, source in zip(axes[0], sources):
-        for (label, rows), color in zip(curves.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
-            for k, style in zip(ks, ("-", "--", ":")):
-                pts = [(h, sim[source]["tau"][min(k, len(sim[source]["tau"])) - 1]) for h, sim in rows
-                       if source in sim]
-                if pts:
-                    ax.plot(*zip(*pts), style, color=color, marker=".", label=f"{label} K={k}")
-        ax.set_title(source, fontsize=9)
-        ax.set_xlabel("training hours (wall clock)")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("simulated tau (held out)")
-    axes[0][-1].legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
