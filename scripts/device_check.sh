@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The accelerator check on a machine whose image has jax but not specjax installed (run from the repo root):
 #   [ACCEL_ARGS="--presets ..."] [TEST_TIMEOUT_S=150] scripts/device_check.sh OUT_DIR [BUDGET_S]
+# Use it on a GPU (or TPU) machine to reproduce docs/results/accel.md, or after a change to the model, the engine's
+# steps or the drafters, to see that they still compile, run losslessly and stay K-flat there. Where specjax is
+# installed, `specjax analyze accel --out-dir DIR` alone is the first half.
 # 1. `specjax analyze accel` (random-weight Qwen3-4B / Llama-3.1-8B / SmolLM2 targets, z-lab-shaped drafters,
 #    bf16): OUT_DIR/accel/accel.json + accel.png;
 # 2. the lossless and paged-attention tests on the accelerator under the image's jax (float32 matmuls at full
