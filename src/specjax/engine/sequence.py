@@ -10,6 +10,16 @@ from typing import Any
 from specjax.sampling import SamplingParams
 
 
+@dataclass
+class StepOutput:
+    """One request's share of an engine step: the tokens it gained, and whether (and why) it finished."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
