@@ -80,16 +80,16 @@ def build_proposer(method: str, target: LoadedModel, drafter: str | None, block_
     return DFlashProposer(cfg, block_size or cfg.block_size), weights
 
 
-CPU_FIXED_K = 3  # the best fixed K of the shipped drafter on the 2-core CPU (docs/results/bench-session46)
+CPU_FIXED_K = 3  # the shipped drafter's best fixed K on the 2-core CPU (docs/results/bench.md; 5cc60d5, 2026-12-06)
 
 
 def default_num_draft(max_draft: int, platform: str) -> int:
     """DFlash drafts verified per step by a fixed-K engine when none is asked for.  On a CPU a verify step costs
     more with every row (t(4) / t(1) ~1.3 on the CPU kernels since their rows are interleaved, ~1.6 before,
     docs/results/kflat.md): K = 3 beats K = 2 on 3 of 5 datasets of the benchmark (ties math500, loses mt_bench
-    by 0.02-0.05x) and on all 4 from launch (docs/results/generate.md, session 46; K = 2 won in sessions 43-45,
-    K = 7 never did).  Accelerators verify a block of 16 for about the price of one token (docs/results/accel.md):
-    the drafter's whole block."""
+    by 0.02-0.05x) and on all 4 from launch (docs/results/generate.md, commit 5cc60d5, 2026-12-06; K = 2 won on
+    the code of 2026-12-05, commit 99102c4; K = 7 never did).  Accelerators verify a block of 16 for about the
+    price of one token (docs/results/accel.md): the drafter's whole block."""
     return min(max_draft, CPU_FIXED_K) if platform == "cpu" else max_draft
 
 
@@ -98,12 +98,13 @@ CPU_LOOKUP_MIN_MATCH = 4
 
 def default_lookup_min_match(platform: str) -> int:
     """The repeated n-gram length at which prompt lookup's drafts stand in for a DFlash or EAGLE-3 drafter's block
-    when none is asked for (fixed K; with adaptive K it is off: no gain in serving, docs/results/serving.md session
-    53).  On a CPU at K = 3 it raised DFlash's tau by 0.00-0.29 on the five bench datasets and its speed 1.02-1.22x in
-    two runs; a third run read 0.93x on gsm8k, where tau did not move (noise), and at K = 2 gsm8k's tau fell 2.32 ->
-    2.27 (docs/results/bench.md, session 52; 4 was chosen on held-out answers by simulation: 3 and 4 tie, 4 lost
-    nothing on the bench prompts).  EAGLE-3's tau rose 0.12-0.59 and its speed 1.09-1.54x at K = 2 and 3 (session
-    53).  Elsewhere the drafter's whole block is verified and lookup is unmeasured: off."""
+    when none is asked for (fixed K; with adaptive K it is off: no gain in serving, docs/results/serving.md,
+    2026-12-06).  On a CPU at K = 3 it raised DFlash's tau by 0.00-0.29 on the five bench datasets and its speed
+    1.02-1.22x in two runs; a third run read 0.93x on gsm8k, where tau did not move (noise), and at K = 2 gsm8k's
+    tau fell 2.32 -> 2.27 (docs/results/bench.md, commit 96347c1, 2026-12-06; 4 was chosen on held-out answers by
+    simulation: 3 and 4 tie, 4 lost nothing on the bench prompts).  EAGLE-3's tau rose 0.12-0.59 and its speed
+    1.09-1.54x at K = 2 and 3 (commit 95bfa16, 2026-12-06).  Elsewhere the drafter's whole block is verified and
+    lookup is unmeasured: off."""
     return CPU_LOOKUP_MIN_MATCH if platform == "cpu" else 0
 
 

@@ -17,8 +17,8 @@ def fixed_order_sum(x: jax.Array, axis: int) -> jax.Array:
     (elementwise adds) while the length is even, then the rest in sequence.  XLA:CPU picks a reduction's
     vectorization per shape (a feature-major column's sum over 64 or 576 features changed in the last bit with the
     number of columns), so with jnp.sum a token's row would depend on how many tokens share its step; behind int8
-    activations one such bit can move a rounding (docs/results/kflat.md, sessions 31 and 45).  The odd rest is short
-    for real widths (576 = 9 x 64, 896 = 7 x 128, 4096 = 1 x 4096)."""
+    activations one such bit can move a rounding (docs/results/kflat.md; commit 96d273e, 2026-12-05).  The odd rest
+    is short for real widths (576 = 9 x 64, 896 = 7 x 128, 4096 = 1 x 4096)."""
     x = jnp.moveaxis(x, axis, 0)
     while x.shape[0] > 1 and x.shape[0] % 2 == 0:
         x = x[:x.shape[0] // 2] + x[x.shape[0] // 2:]

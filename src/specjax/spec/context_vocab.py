@@ -3,7 +3,7 @@
 A draft vocabulary (the 8,192 most frequent answer tokens) misses 2.7-5.9% of the target's answer tokens on
 the held-out prompts, and about 70% of those are in the prompt: names, identifiers, rare words the answer
 copies.  The drafter's hidden state already points at them (its head is the target's), so scoring a few such
-rows per sequence beside the draft vocabulary's drafts them (docs/results/training.md, session 54).
+rows per sequence beside the draft vocabulary's drafts them (docs/results/training.md; commit 14e1b2b, 2026-12-07).
 """
 
 from __future__ import annotations
