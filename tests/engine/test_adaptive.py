@@ -103,27 +103,34 @@ def test_controller_per_position_keeps_positions_beyond_the_explored_k():
 
 
 def test_adaptive_engine_is_lossless_and_uses_several_k(tiny_dirs):
+    """K changes from step to step (every option of the controller, drafts accepted at K >= 3) and the tokens equal
+    plain decoding's.  The drafts that get accepted are prompt lookup's (lookup_min_match = 1 over repetitive
+    prompts, a random drafter's otherwise), and the injected costs are nearly flat in the rows verified, as on an
+    accelerator, so that the controller climbs past K = 0 (with a random drafter alone it stayed near K = 0)."""
     target = load_model(tiny_dirs["qwen3"])
     dcfg = drafter_config_for(target.config, num_layers=1, block_size=8, target_layer_ids=(0, 2), mask_token_id=299)
     dw = init_drafter(dcfg, jax.random.PRNGKey(0))
-    prompts = [random_prompt(__import__("numpy").random.default_rng(i), 5 + 3 * i) for i in range(4)]
+    prompts = [random_prompt(np.random.default_rng(i), 2 + i) * 4 for i in range(4)]
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     base = LLMEngine(target.config, target.weights, config=EngineConfig(max_model_len=64, page_size=4))
     expected = [s.output_ids for s in base.generate(prompts, params)]
     engine = LLMEngine(target.config, target.weights, DFlashProposer(dcfg, 8), dw,
                        EngineConfig(max_model_len=64, page_size=8, max_num_seqs=4, adaptive_k=True,
-                                    page_bucket_factor=4))
+                                    page_bucket_factor=4, lookup_min_match=1))
     # Step costs are injected, not timed: measured ones made the choice depend on the machine's load (under the
     # 2-worker suite a K = 0 step timed while the other worker compiled kept K = 7 chosen for the whole run).
     record = engine._record_cost
-    engine._record_cost = lambda need, shape, seconds: record(need, shape, 1.0 + 0.25 * need.n)
+    engine._record_cost = lambda need, shape, seconds: record(need, shape, 1.0 + 0.01 * need.n)
     # every K at the batch of 4 and the page widths these requests reach (smaller batches run padded in them)
     engine.warmup([len(p) for p in prompts], max(len(p) for p in prompts) + 30, batch_sizes=(4,), modes=(GREEDY,))
     c = engine.controller
     c.explore_budget, c.idle_budget, c.min_explore_every = 100.0, 100.0, 3
-    assert [s.output_ids for s in engine.generate(prompts, params)] == expected
-    assert len(engine.k_history) >= 2 and engine.k_history.most_common(1)[0][0] == 0, engine.k_history
-    # (a random drafter: K = 0 mostly, exploring a larger K every few steps)
+    seqs = engine.generate(prompts, params)
+    assert [s.output_ids for s in seqs] == expected
+    # measured: K = 3 / 1 / 7 / 0 in 11 / 6 / 5 / 3 steps, accepted lengths up to 5
+    assert len(engine.k_history) >= 3, engine.k_history
+    assert max(t for s in seqs for t in s.stats.acceptance_lengths) >= 4
+    assert engine.allocator.num_used == 0
 
 
 def test_controller_retimes_a_cheaper_k_whose_cost_was_inflated_once():

@@ -1,6 +1,7 @@
 """Target parity with HF transformers on tiny random Llama (llama3 rope scaling), Qwen2 (qkv bias, tied head)
 and Qwen3 (q/k norm, head_dim != hidden/heads) checkpoints: prefill and paged incremental decoding."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,6 +66,12 @@ def test_ragged_incremental_decode_through_pages_vs_transformers(tiny_dirs, fami
     page_size, num_pages = 4, 20
     layout = paged_layout(rng, [len(s) for s in seqs], page_size, num_pages)
     kv = tgt.init_kv_pages(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+
+    @jax.jit  # one program per chunk width, as the engine runs it (op by op, the six widths took 35 s a family)
+    def step(weights, kv, batch):
+        hidden, _, rows = tgt.forward(weights, kv, batch, cfg)
+        return tgt.logits(weights, hidden), write_rows(kv, batch.slots, rows)
+
     done = [0, 0]
     for chunk in schedule:
         t = max(chunk)
@@ -80,9 +87,8 @@ def test_ragged_incremental_decode_through_pages_vs_transformers(tiny_dirs, fami
         for i, pages in enumerate(layout):
             table[i, :len(pages)] = pages
         batch = tgt.ForwardBatch(*(jnp.asarray(a) for a in (tokens, positions, slots, table)))
-        hidden, _, rows = tgt.forward(loaded.weights, kv, batch, cfg)
-        kv = write_rows(kv, batch.slots, rows)
-        logits = np.asarray(tgt.logits(loaded.weights, hidden))
+        logits, kv = step(loaded.weights, kv, batch)
+        logits = np.asarray(logits)
         for i, n in enumerate(chunk):
             np.testing.assert_allclose(logits[i, :n], refs[i][done[i]:done[i] + n], atol=ATOL, rtol=1e-4)
             done[i] += n
