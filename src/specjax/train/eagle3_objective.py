@@ -13,16 +13,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.drafter.eagle3 import Eagle3Config, Eagle3Weights, finish_layer, layer_inputs, qkv
 from specjax.model.layers import MASK_VALUE
-
-
-def draft_vocab_from_counts(counts: np.ndarray, size: int) -> np.ndarray:
-    """The `size` most frequent token ids (sorted ascending), EAGLE-3's draft vocabulary."""
-    top = np.argsort(-counts, kind="stable")[:size]
-    return np.sort(top)
 
 
 def shift_right(x: jax.Array, n: int) -> jax.Array:

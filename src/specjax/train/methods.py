@@ -15,6 +15,7 @@ from specjax.drafter.eagle3 import Eagle3Config
 from specjax.drafter.loader import init_drafter, load_drafter, save_drafter
 from specjax.spec.context_vocab import context_ids, draft_mask
 from specjax.train.drafter_init import grow_layers, init_from_target, scale_fc_init
+from specjax.train.eagle3_objective import ttt_acceptance, ttt_loss
 from specjax.train.evaluate import evaluate_tau
 from specjax.train.objective import dflash_loss, sample_anchors, simulated_acceptance, teacher_logits
 
@@ -202,14 +203,10 @@ class Eagle3Method:
         return ()
 
     def loss(self, params, consts, tokens, taps, mask, lengths, extra):
-        from specjax.train.eagle3_objective import ttt_loss
-
         embed, t2d = consts
         return ttt_loss(params, self.ecfg, embed, tokens, taps, mask, lengths, t2d, self.ttt_steps)
 
     def simulate(self, params, consts, tokens, taps, mask, lengths, anchors, keep):
-        from specjax.train.eagle3_objective import ttt_acceptance
-
         embed, t2d = consts
         return ttt_acceptance(params, self.ecfg, embed, tokens, taps, mask, lengths, anchors, keep, t2d,
                               self.ttt_steps)
