@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from specjax.cli import cache_features, regenerate, train_drafter
-from specjax.train.draft_vocab import background_counts, draft_vocabulary  # noqa: F401 (importable from here)
 
 
 def register(sub) -> None:

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.train.curves import plot_sim_curves, read_sim_curve  # noqa: F401 (their home was here: scripts use it)
 from specjax.train.features import batch_features
 from specjax.train.store import TokenStore
 

@@ -26,25 +26,11 @@ from specjax.train.batches import SequenceBatches
 from specjax.train.checkpoint import load_best, load_checkpoint, save_best, save_checkpoint
 from specjax.train.config import TrainConfig
 from specjax.train.curves import append_row, last_hours, plot_curves, plot_sim_curves
-from specjax.train.drafter_init import grow_layers, init_from_target, scale_fc_init, tap_statistics
-from specjax.train.evaluate import evaluate_tau
-from specjax.train.features import batch_features, target_features
-from specjax.train.methods import DFlashMethod, Eagle3Method, effective_context_vocab
-from specjax.train.optimizer import (
-    MUON_MATRICES,
-    make_optimizer,
-    muon_matrices,
-    scale_last_layers,
-    time_scale,
-    train_step,
-)
+from specjax.train.drafter_init import tap_statistics
+from specjax.train.features import batch_features
+from specjax.train.methods import effective_context_vocab
+from specjax.train.optimizer import make_optimizer, time_scale, train_step
 from specjax.train.store import TokenStore
-
-# the names this module held before its parts moved out, still importable from here
-__all__ = ["DFlashMethod", "Eagle3Method", "MUON_MATRICES", "SequenceBatches", "TrainConfig", "batch_features",
-           "effective_context_vocab", "evaluate_tau", "grow_layers", "init_from_target", "last_hours",
-           "load_checkpoint", "make_optimizer", "muon_matrices", "plot_curves", "save_checkpoint", "scale_fc_init",
-           "scale_last_layers", "tap_statistics", "target_features", "time_scale", "train_drafter", "train_step"]
 
 log = logging.getLogger(__name__)
 
