@@ -47,6 +47,22 @@ def test_no_compile_after_warmup(parts):
     assert jit_cache_sizes() == sizes
 
 
+def test_warmup_all_compiles_every_shape_and_nothing_after(parts):
+    """`serve --warmup all`: every shape the engine can produce is built at start-up (each prefill chunk at both
+    page-table widths, a decode step at every page bucket), and requests of any length compile nothing after."""
+    engine = make_engine(parts)
+    n = engine.warmup_all(modes=(GREEDY,))
+    built, sizes = set(engine.programs.ready), jit_cache_sizes()
+    assert n == len(built) and {s.n for s in built if s.kind == "prefill"} == {16, 32}
+    assert {s.pages for s in built if s.kind == "decode"} == set(engine.page_buckets)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    for prompt in (PROMPT[:5], PROMPT):
+        [seq] = engine.generate([prompt], params)
+        assert len(seq.output_ids) == NEW
+    assert engine.programs.foreground_builds == 0 and set(engine.programs.ready) == built
+    assert jit_cache_sizes() == sizes
+
+
 def test_background_warmup_compiles_what_steps_use_off_the_engine_thread(parts):
     """The prefill shape first; decode steps run at the widest page table the request reaches, so one decode
     program (built on the background thread) serves every step; a second identical request compiles nothing, and

@@ -53,8 +53,9 @@ def gguf_model(tiny_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_dirs):
+    """No warm-up: shapes compile as requests need them (a warm-up of every shape took 80-160 s of this file, and
+    tests/engine/test_compile.py covers `warmup_all`)."""
     llm = make_llm(tiny_dirs["qwen3"])
-    llm.engine.warmup_all(modes=(GREEDY,))
     with live_server(llm) as (url, service):
         yield url, service
 
@@ -125,8 +126,8 @@ def test_16_concurrent_streams_get_exactly_what_they_get_alone(any_server):
 
 
 def test_background_warmup_serves_at_once_and_never_compiles_on_the_engine_thread(tiny_dirs, server):
-    """Serving starts after one shape (the prefill); 16 concurrent streams sent at once get what they get from the fully
-    warmed server while the shapes they use compile on the background thread; the engine thread compiles nothing."""
+    """Serving starts after one shape (the prefill); 16 concurrent streams sent at once get what they get from a server
+    without warm-up while the shapes they use compile on the background thread; the engine thread compiles nothing."""
     llm = make_llm(tiny_dirs["qwen3"])
     assert llm.engine.warmup_all(modes=(GREEDY,), background=True) == 1  # the prefill
     prompts = [f"request number {i}: " + "abc" * i for i in range(16)]
