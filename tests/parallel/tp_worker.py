@@ -25,7 +25,7 @@ def run_case(case: dict) -> dict:
     try:
         llm = LLM(case["model"], case.get("drafter"), case["method"], case.get("block_size"),
                   EngineConfig(page_size=2, num_pages=case.get("num_pages", 0), max_model_len=64, max_num_seqs=4,
-                               adaptive_k=False),
+                               adaptive_k=False, page_bucket_factor=case.get("page_bucket_factor", 2)),
                   tensor_parallel_size=case["tp"])
     except ConfigError as e:
         return {"error": str(e)}
