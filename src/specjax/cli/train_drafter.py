@@ -67,7 +67,8 @@ def cmd_train_drafter(args) -> int:
         raise SystemExit(f"error: --data: {e}") from None
     if args.features and isinstance(store, StoreUnion):
         raise SystemExit("error: --features caches one store's taps: train on several --data stores with online "
-                         "features (no --features), or merge them first (scripts/merge_stores.py)")
+                         "features (no --features), or merge the stores and their caches first "
+                         "(specjax.train.merge.merge_stores)")
     enable_compile_cache(args.compile_cache)
     target = load_model(args.target, DTYPES["float32"])
     ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None

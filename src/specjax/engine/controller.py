@@ -11,7 +11,7 @@ may gather fewer pages.
 The controller takes argmax_K expected_tokens(K) / cost(B, K, Pg(K)), so when drafts stop paying for their
 verification (large batches on a compute-bound CPU, a drafter that misses) it falls back to K = 0: a plain
 decoding step plus the proposer's context update (DFlash: fc + K/V rows of the accepted position, measured at
-0.7-2% of a step on the 2-core CPU, scripts/k0_step_cost.py).
+0.7-2% of a step on the 2-core CPU, scripts/k0_step_cost.py at f9c7328).
 
 A step at K refreshes the estimates of p_1..p_K only, so the controller also tries a larger K now and then:
 the cheapest one whose rate, with every p_k at the upper end of its confidence interval (Wilson, z = 2, on the
