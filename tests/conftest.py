@@ -104,3 +104,18 @@ def smollm(smollm_path):
     from specjax.model.loader import load_model
 
     return load_model(smollm_path)
+
+
+@pytest.fixture(scope="session")
+def smollm_xla_answer(smollm):
+    """SmolLM2's greedy answer to helpers.SMOLLM_PROMPT (64 tokens) on one device with XLA's float32 products: the
+    reference of the default kernels (tests/test_smollm.py) and of the model split over 3 devices
+    (tests/parallel/test_smollm_tensor_parallel.py), computed once per worker."""
+    from specjax.config import EngineConfig
+    from specjax.llm import LLM
+    from specjax.sampling import SamplingParams
+
+    llm = LLM(method="ar", target=smollm, engine_config=EngineConfig(max_model_len=512, max_num_seqs=1))
+    [answer] = llm.generate([helpers.SMOLLM_PROMPT], SamplingParams(max_new_tokens=64))
+    assert len(answer.token_ids) == 64  # no EOS within it: every comparison covers 64 tokens
+    return answer

@@ -10,6 +10,8 @@ import pytest
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 VOCAB = 300  # 256 byte tokens + specials + unused rows
+# A GSM8K-style question the real-weight tests ask SmolLM2 (its greedy answer runs past 64 tokens)
+SMOLLM_PROMPT = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in total?"
 
 
 def cpu_env(devices: int | None = None) -> dict[str, str]:

@@ -14,7 +14,8 @@ import pytest
 from specjax.config import EngineConfig
 from specjax.engine.engine import LLMEngine
 from specjax.sampling import SamplingParams
-from tests.helpers import import_or_missing, kernel_builds, kernels_expected, plain_and_random_dflash
+from tests.helpers import (SMOLLM_PROMPT, import_or_missing, kernel_builds, kernels_expected,
+                           plain_and_random_dflash)
 
 # teacher-forced on float32 XLA's greedy answer (one forward over prompt + answer), the share of its 64 tokens that are
 # also the int8-activation kernels' argmax (measured 0.92 on AVX-512 VNNI; a greedy prefix is no measure: it ends at the
@@ -128,7 +129,7 @@ def test_logits_and_tokenizer_match_transformers_on_the_same_gguf(smollm, smollm
 
 
 @pytest.mark.slow
-def test_kernels_decode_what_xla_decodes_and_dflash_on_them_is_lossless(smollm, smollm_path):
+def test_kernels_decode_what_xla_decodes_and_dflash_on_them_is_lossless(smollm, smollm_path, smollm_xla_answer):
     """The default runtime path: the Q4_1 / Q8_0 blocks on specjax's CPU kernels (model/quant.py); with float32
     activations the same tokens as the float32 XLA path on the same file, with int16 ones (the default) too, with
     int8 ones the same next token at most positions of that answer; and the shipped DFlash drafter verified on the
@@ -141,10 +142,9 @@ def test_kernels_decode_what_xla_decodes_and_dflash_on_them_is_lossless(smollm, 
     if not fast.quantized_kernels:
         assert not kernels_expected(), "the quantized CPU kernels did not build on a machine that has what they need"
         pytest.skip("the quantized CPU kernels cannot run on this machine")
-    prompt = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in total?"
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    prompt, xla = SMOLLM_PROMPT, smollm_xla_answer  # 64 tokens of float32 XLA's greedy answer
+    params = SamplingParams(max_new_tokens=64)
     cfg = EngineConfig(max_model_len=512, max_num_seqs=1)
-    [xla] = LLM(method="ar", target=smollm, engine_config=cfg).generate([prompt], params)
     [ar] = LLM(method="ar", target=fast, engine_config=cfg).generate([prompt], params)
     assert ar.token_ids == xla.token_ids
     del fast
