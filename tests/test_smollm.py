@@ -14,8 +14,7 @@ import pytest
 from specjax.config import EngineConfig
 from specjax.engine.engine import LLMEngine
 from specjax.sampling import SamplingParams
-from tests.helpers import (SMOLLM_PROMPT, import_or_missing, kernel_builds, kernels_expected,
-                           plain_and_random_dflash)
+from tests.helpers import SMOLLM_PROMPT, import_or_missing, kernel_builds, kernels_expected, plain_and_random_dflash
 
 # teacher-forced on float32 XLA's greedy answer (one forward over prompt + answer), the share of its 64 tokens that are
 # also the int8-activation kernels' argmax (measured 0.92 on AVX-512 VNNI; a greedy prefix is no measure: it ends at the
