@@ -87,11 +87,11 @@ def test_default_path_stays_with_the_float32_model(smollm, smollm_path):
         assert not kernels_expected(), "the quantized CPU kernels did not build on a machine that has what they need"
         pytest.skip("the quantized CPU kernels cannot run on this machine")
     assert default.kernel_activations == "int16"
-    corpus = texts(smollm.tokenizer, store_path(), None, answers=8, plain=4)
+    corpus = texts(smollm.tokenizer, store_path(), None, answers=5, plain=2)  # 557 + 250 scored positions
     report = teacher_forced(lambda toks: full_forward(smollm.weights, smollm.config, toks)[0],
                             {"default": lambda toks: full_forward(default.weights, smollm.config, toks)[0]},
                             corpus)["default"]
-    assert report["answers"]["positions"] > 800  # 941: the store was read
+    assert report["answers"]["positions"] > 500  # 557: the store was read
     for kind, r in report.items():
         assert r["kl"] < DEFAULT_MAX_KL, (kind, r)
         assert r["top1_agreement_clear"] == 1.0 and r["top1_agreement"] >= DEFAULT_MIN_AGREEMENT, (kind, r)

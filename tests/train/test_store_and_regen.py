@@ -301,6 +301,21 @@ def test_taps_come_from_the_target_as_inference_runs_it(tiny_dirs, tmp_path):
     assert config["feature_kernels"] == "int16"
 
 
+def cli_error(args: list[str]) -> str:
+    """`specjax ARGS` that must stop on an argument error, run in this process (it stops before training, so it
+    needs no process of its own) -> what it told the user."""
+    import contextlib
+    import io
+
+    from specjax.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code not in (0, None)
+    return f"{stop.value.code}\n{err.getvalue()}"
+
+
 def test_train_drafter_draft_vocab_simulated_tau_init_and_time_limit(tiny_dirs, tmp_path):
     """The recipe's knobs end to end: a draft vocabulary, simulated tau on a held-out store, a second run that
     starts from the first drafter and appends to the same learning curve with cumulative hours, --max-hours."""
@@ -363,24 +378,23 @@ def test_train_drafter_draft_vocab_simulated_tau_init_and_time_limit(tiny_dirs, 
     cfg7, w7 = load_drafter(os.path.join(out + "7", "drafter"), load_model(tiny_dirs["qwen3"]).config)
     assert cfg7.block_size == 3 and w7.slot_embedding.shape == (3, 64)
     np.testing.assert_array_equal(np.asarray(w7.slot_embedding), np.asarray(w.slot_embedding)[:3])
-    _, err = run_cli(common + ["--out", out + "9", "--init", os.path.join(out, "drafter"), "--block-size", "5"],
-                     ok=False)
+    err = cli_error(common + ["--out", out + "9", "--init", os.path.join(out, "drafter"), "--block-size", "5"])
     assert "--block-size 5 exceeds the --init drafter's 4" in err
-    _, err = run_cli(common + ["--out", out + "10", "--sim-block-size", "5"], ok=False)
+    err = cli_error(common + ["--out", out + "10", "--sim-block-size", "5"])
     assert "--sim-block-size 5 must be in [2, the training block 4]" in err
-    _, err = run_cli(common + ["--out", out + "5", "--grow-layers", "1"], ok=False)
+    err = cli_error(common + ["--out", out + "5", "--grow-layers", "1"])
     assert "--grow-layers appends layers to a DFlash --init drafter" in err
-    _, err = run_cli(common + ["--out", out + "6", "--distill", "1.5"], ok=False)
+    err = cli_error(common + ["--out", out + "6", "--distill", "1.5"])
     assert "--distill 1.5 needs --method dflash and 0 <= weight <= 1" in err
     # the prompt's tokens outside the draft vocabulary trained beside it (simulated tau scores them by default)
     run_cli(common + ["--out", out + "11", "--steps", "2", "--draft-vocab-size", "100", "--context-vocab", "8"])
     config11 = json.load(open(os.path.join(out + "11", "train_config.json")))
     assert config11["context_vocab"] == 8 and config11["sim_context_vocab"] == 32
     assert [r["sim_context_vocab"] for r in map(json.loads, open(curve)) if "sim" in r][-1] == 32
-    _, err = run_cli(common + ["--out", out + "12", "--draft-vocab-size", "100", "--context-vocab", "8", "--distill",
-                               "0.5"], ok=False)
+    err = cli_error(common + ["--out", out + "12", "--draft-vocab-size", "100", "--context-vocab", "8", "--distill",
+                              "0.5"])
     assert "--distill covers the draft vocabulary only" in err
-    _, err = run_cli(common + ["--out", out + "13", "--draft-vocab-size", "0", "--context-vocab", "8"], ok=False)
+    err = cli_error(common + ["--out", out + "13", "--draft-vocab-size", "0", "--context-vocab", "8"])
     assert "--context-vocab scores tokens outside a draft vocabulary" in err
 
 
