@@ -7,9 +7,10 @@ every step page-faults its whole working set again: 48k minor faults, about half
 step (docs/results/kflat.md).  With mmap off and a high trim threshold the same blocks are reused.  Each thread
 keeps glibc's own arena: with one arena for all (as before commit 69fc441, 2026-12-06), the Python thread
 dispatching a step, XLA's executor threads and the kernels' helpers took one lock for every allocation, and a
-batch-1 decode step of the engine ran 1.12-1.19x slower (scripts/malloc_arena_ab.py at 8707224: every paired round, two runs
-of six).  The price: memory freed after a peak stays mapped in the process (reused, not returned to the OS), so after a
-one-off peak (loading weights, compiling) `release_freed_memory` hands the free pages back explicitly.
+batch-1 decode step of the engine ran 1.12-1.19x slower (scripts/malloc_arena_ab.py at 8707224: every paired
+round, two runs of six).  The price: memory freed after a peak stays mapped in the process (reused, not returned to
+the OS), so after a one-off peak (loading weights, compiling) `release_freed_memory` hands the free pages back
+explicitly.
 Linux/glibc only; SPECJAX_MALLOC_TUNING=0 leaves the allocator alone.
 
 `release_zero_pages` hands back the physical pages under freshly zeroed device arrays on the CPU (the KV pools):
