@@ -8,8 +8,9 @@ differ by more than most changes, so A and B must alternate on the same machine 
 
 Each round runs A (REV checked out in a temporary git worktree) then B as separate processes with the same bench
 flags (everything after `--`; default `--quick`); the report is the median over rounds of each (dataset, method)'s
-TPOT (ms per output token) and B / A.  The README's table itself comes from one `specjax bench` run (its command
-is given there).
+TPOT (ms per output token) and B / A.  It stops if either side's greedy outputs differ from plain decoding's
+(the bench's matches_ar): a pair where they do would measure a bug.  The README's table itself comes from one
+`specjax bench` run (its command is given there).
 """
 
 import argparse
@@ -28,7 +29,11 @@ def run_bench(src: str, bench_args: list[str], out_dir: str) -> dict:
     env = {**os.environ, "PYTHONPATH": src}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out_dir, "bench.json")) as fh:
-        return {f"{r['dataset']}/{r['method']}": r["tpot_ms"] for r in json.load(fh)["records"]}
+        records = json.load(fh)["records"]
+    differ = [f"{r['dataset']}/{r['method']}" for r in records if r.get("matches_ar") is False]
+    if differ:
+        raise SystemExit(f"{src}: outputs differ from plain decoding's in {', '.join(differ)}")
+    return {f"{r['dataset']}/{r['method']}": r["tpot_ms"] for r in records}
 
 
 def main() -> int:
