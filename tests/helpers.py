@@ -8,6 +8,8 @@ import os
 import numpy as np
 import pytest
 
+from specjax.spec.proposer import HostProposer
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 VOCAB = 300  # 256 byte tokens + specials + unused rows
 # A GSM8K-style question the real-weight tests ask SmolLM2 (its greedy answer runs past 64 tokens)
@@ -140,6 +142,24 @@ def plain_and_random_dflash(cfg, weights, ids: list[int], max_new_tokens: int, m
     dw = init_drafter(dcfg, jax.random.PRNGKey(0))
     [spec] = LLMEngine(cfg, weights, DFlashProposer(dcfg, block_size), dw, config).generate([ids], params)
     return ar.output_ids, spec.output_ids
+
+
+class NoisyOracle(HostProposer):
+    """Host proposer that knows plain greedy's (or seeded sampling's) continuation and corrupts each draft with
+    probability `noise`: every accepted length 0..K occurs, so the acceptance and rollback paths all run."""
+
+    name = "noisy-oracle"
+
+    def __init__(self, prompts, outs, k, seed=0, noise=0.35):
+        self.full = {tuple(p): p + o for p, o in zip(prompts, outs)}
+        self.max_draft_tokens = k
+        self.noise = noise
+        self.rng = np.random.default_rng(seed)
+
+    def host_propose(self, token_ids, k):
+        full = next(f for p, f in self.full.items() if tuple(token_ids[:len(p)]) == p)
+        truth = full[len(token_ids):len(token_ids) + k]
+        return [t if self.rng.random() > self.noise else (t + 1) % 256 for t in truth]
 
 
 def in_ci(environ=os.environ) -> bool:

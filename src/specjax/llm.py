@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from specjax.config import ConfigError, EngineConfig
 from specjax.drafter.loader import drafter_config_for, init_drafter, load_drafter
 from specjax.engine.engine import LLMEngine, StepOutput, one_sequence_bytes
-from specjax.engine.sequence import Sequence, SequenceStats
+from specjax.engine.sequence import Sequence, SequenceStats, TokenLogprob
 from specjax.hostmem import keep_freed_memory
 from specjax.model.loader import LoadedModel, load_model
 from specjax.model.tokenizer import StreamDecoder
@@ -128,6 +128,8 @@ class GenerationResult:
     stats: SequenceStats
     ttft: float | None  # seconds from arrival to the first token
     tpot: float | None  # seconds per output token after the first
+    logprobs: list[TokenLogprob] | None = None  # one per output token (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (SamplingParams.prompt_logprobs)
 
 
 def result_of(seq: Sequence, text: str) -> GenerationResult:
@@ -135,7 +137,8 @@ def result_of(seq: Sequence, text: str) -> GenerationResult:
     if seq.first_token_time is not None and seq.finish_time is not None and len(seq.output_ids) > 1:
         tpot = (seq.finish_time - seq.first_token_time) / (len(seq.output_ids) - 1)
     ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
-    return GenerationResult(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason, seq.stats, ttft, tpot)
+    return GenerationResult(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason, seq.stats, ttft, tpot,
+                            seq.logprobs, seq.prompt_logprobs)
 
 
 class LLM:

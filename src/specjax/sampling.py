@@ -16,6 +16,10 @@ import jax.numpy as jnp
 
 # Static sampler variants: chosen per step on the host so greedy batches never pay for sorting the vocabulary.
 GREEDY, SAMPLE, SAMPLE_FILTERED = "greedy", "sample", "sample_filtered"
+# A variant's name + LOGPROBS: the step also returns log-probabilities (`token_logprobs`): only steps serving a
+# request that asked for them pay for a log-softmax and a top-k over the vocabulary.
+LOGPROBS = "+logprobs"
+MAX_LOGPROBS = 20  # most alternatives a request may ask for (OpenAI's top_logprobs limit); every step returns these
 
 
 def first_argmax(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -55,6 +59,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # the emitted tokens' log-probabilities and this many top alternatives (None: off)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (from its second on; None: off)
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
@@ -68,6 +74,10 @@ class SamplingParams:
             raise SamplingError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise SamplingError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                raise SamplingError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -78,11 +88,18 @@ class SamplingParams:
         return (self.top_k > 1) or self.top_p < 1
 
 
-def sampler_mode(params: list[SamplingParams]) -> str:
-    """The cheapest static sampler variant that serves every request of a batch."""
+def sampler_mode(params: list[SamplingParams], prompt: bool = False) -> str:
+    """The cheapest static sampler variant that serves every request of a batch (+ LOGPROBS if one asks for them:
+    for its output tokens, or with `prompt` (a prefill step) for its prompt's)."""
+    lp = LOGPROBS if any(p.logprobs is not None or (prompt and p.prompt_logprobs is not None) for p in params) else ""
     if all(p.is_greedy for p in params):
-        return GREEDY
-    return SAMPLE_FILTERED if any(p.needs_filter and not p.is_greedy for p in params) else SAMPLE
+        return GREEDY + lp
+    return (SAMPLE_FILTERED if any(p.needs_filter and not p.is_greedy for p in params) else SAMPLE) + lp
+
+
+def split_mode(mode: str) -> tuple[str, bool]:
+    """A sampler mode -> (its variant: GREEDY / SAMPLE / SAMPLE_FILTERED, whether it returns log-probabilities)."""
+    return mode.removesuffix(LOGPROBS), mode.endswith(LOGPROBS)
 
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -121,6 +138,7 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     """
     if greedy is None:
         greedy = first_argmax(logits)
+    mode, _ = split_mode(mode)
     if mode == GREEDY:
         return greedy
     t, k, p = (a[:, None] for a in (temperature, top_k, top_p))
@@ -131,3 +149,25 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     keys = position_keys(seeds, positions)  # [B, T, 2]
     drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys, scaled).astype(jnp.int32)
     return jnp.where((t > 0) & (k != 1), drawn, greedy)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array | None = None,
+                   top_k: jax.Array | None = None, top_p: jax.Array | None = None, mode: str = GREEDY):
+    """Log-probabilities of `tokens` [B, T] under logits [B, T, V] and the MAX_LOGPROBS most likely tokens ->
+    (logprobs [B, T] float32, top_ids [B, T, MAX_LOGPROBS] int32, top_logprobs [B, T, MAX_LOGPROBS] float32, the
+    most likely first).
+
+    The distribution is the one the sampler draws from: rows at temperature > 0 are scaled by it and, in a
+    SAMPLE_FILTERED step, cut to top-k / top-p (tokens outside have -inf); greedy rows (and a GREEDY step, or no
+    sampling arrays given) use the raw logits.  A token of -1 (padding) gets logprob 0."""
+    x = logits.astype(jnp.float32)
+    variant, _ = split_mode(mode)
+    if variant != GREEDY and temperature is not None:
+        t, k, p = (a[:, None] for a in (temperature, top_k, top_p))
+        sampled = ((t > 0) & (k != 1))[..., None]
+        scaled = filtered_logits(x, t, k, p) if variant == SAMPLE_FILTERED else x / jnp.where(t > 0, t, 1.0)[..., None]
+        x = jnp.where(sampled, scaled, x)
+    logp = jax.nn.log_softmax(x, axis=-1)
+    chosen = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    top_lp, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+    return jnp.where(tokens >= 0, chosen, 0.0), top_ids.astype(jnp.int32), top_lp

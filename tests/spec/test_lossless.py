@@ -19,9 +19,9 @@ from specjax.engine.engine import LLMEngine
 from specjax.model.loader import load_model
 from specjax.sampling import SamplingParams
 from specjax.spec.lookup import LOOKUP_MAX_N
-from specjax.spec.proposer import DFlashProposer, HostProposer, NgramProposer, NoProposer
+from specjax.spec.proposer import DFlashProposer, NgramProposer, NoProposer
 from specjax.spec.reference import dflash_reference_proposer, reference_generate
-from tests.helpers import random_prompt
+from tests.helpers import NoisyOracle, random_prompt
 
 MAX_LEN = 96
 PROMPT_LENS = [1, 6, 13, 29, 40]
@@ -155,23 +155,6 @@ def test_engine_drafts_equal_reference_loop(setup, ar_greedy):
                                        eos_token_ids=target.config.eos_token_ids, max_model_len=MAX_LEN)
         assert seq.output_ids == ref
         assert seq.stats.acceptance_lengths == taus
-
-
-class NoisyOracle(HostProposer):
-    """Host proposer that knows plain greedy's continuation and corrupts each draft with probability 0.35:
-    every accepted length 0..K occurs, so the acceptance and rollback paths all run."""
-
-    name = "noisy-oracle"
-
-    def __init__(self, prompts, outs, k, seed=0):
-        self.full = {tuple(p): p + o for p, o in zip(prompts, outs)}
-        self.max_draft_tokens = k
-        self.rng = np.random.default_rng(seed)
-
-    def host_propose(self, token_ids, k):
-        full = next(f for p, f in self.full.items() if tuple(token_ids[:len(p)]) == p)
-        truth = full[len(token_ids):len(token_ids) + k]
-        return [t if self.rng.random() > 0.35 else (t + 1) % 256 for t in truth]
 
 
 def test_noisy_oracle_exercises_every_accept_length_and_stays_lossless(setup, ar_greedy):

@@ -58,6 +58,10 @@ class EngineConfig:
     """A DFlash drafter with a draft vocabulary also drafts each sequence's last `context_vocab` distinct prompt
     tokens that its vocabulary lacks (names, identifiers the answer copies; drafter/dflash.py `propose_tokens`);
     0 = only its draft vocabulary.  Lossless either way; no effect on drafters of the whole vocabulary."""
+    prefix_caching: bool = True
+    """Reuse the KV pages (target and drafter rows) of prompt prefixes computed before: full pages are named by a
+    hash of their tokens and everything before them, kept after their request ends, and evicted least recently used
+    when the pool needs them (kv/allocator.py).  Outputs are unchanged: only the prefill of a hit is skipped."""
     kv_cache_dtype: str = "auto"
     """dtype of the target's KV pools: "float32", "float16", "bfloat16", or "auto" (engine.kv_cache_dtype: float16
     on the integer-activation GGUF kernels, as llama.cpp's default cache, else the activations' dtype).  A 16-bit

@@ -129,6 +129,7 @@ class LLMEngine(Scheduler, ModelRunner, ProgramBuilder, Warmup):
         self.last_decode: list[tuple[int, int, int]] = []  # (seq_id, drafts, accepted) of the latest decode step
         self.last_k: int | None = None
         self.num_preemptions = 0
+        self.prefix_cache_stats = {"queried_tokens": 0, "hit_tokens": 0}  # prompt tokens looked up / found cached
         self.record_drafts = record_drafts
         self.programs = StepPrograms(self._build_program, release=jax.clear_caches, max_ready=config.max_step_programs)
         self._cost_shape: dict[tuple[int, int, int], StepShape] = {}  # controller cost key -> shape last timed
@@ -172,12 +173,14 @@ class LLMEngine(Scheduler, ModelRunner, ProgramBuilder, Warmup):
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context holds "
                                f"max_model_len={self.config.max_model_len} (prompt + at least one new token)")
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, after: int | None = None) -> int:
+        """Queue a request; -> its id.  `after`: the id of a request with the same prompt (n > 1 samples of one
+        prompt): this one starts once that one's prefill is done and shares its cached pages."""
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate_request(prompt_ids, params)
         seed = params.seed if params.seed is not None else int(self.rng.integers(0, 2**31 - 1))
-        seq = Sequence(self.next_id, prompt_ids, params, seed=seed % (2**31 - 1))
+        seq = Sequence(self.next_id, prompt_ids, params, seed=seed % (2**31 - 1), after=after)
         if self.record_drafts:
             seq.stats.draft_log = []
         self.next_id += 1

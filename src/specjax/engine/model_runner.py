@@ -16,7 +16,7 @@ import numpy as np
 from specjax.engine import runner
 from specjax.engine.buckets import pick_bucket
 from specjax.engine.programs import StepShape
-from specjax.engine.sequence import Sequence, StepOutput
+from specjax.engine.sequence import Sequence, StepOutput, logprob_entries
 from specjax.model.target import ForwardBatch
 from specjax.parallel import to_global, to_host
 from specjax.sampling import sampler_mode
@@ -108,7 +108,7 @@ class ModelRunner:
         # program fits it (the one `warmup` builds for a known prompt: a faster first token).
         b = pick_bucket(len(seqs), self.prefill_batch_buckets)
         t = pick_bucket(max(len(c) for c in chunks), self.prefill_buckets)
-        mode = sampler_mode([s.params for s in seqs])
+        mode = sampler_mode([s.params for s in seqs], prompt=True)
         cached = max(s.num_cached for s in seqs)
         full = self._full_pages
         own = StepShape("prefill", b, t, full if cached else self._pages_bucket(1), mode)
@@ -135,17 +135,30 @@ class ModelRunner:
             last_index[i] = n - 1
         table = self._page_table(seqs, b, shape.pages)
         batch = ForwardBatch(tokens, positions, slots, table)
-        first, _, _ = self._run(shape, program, batch, last_index, next_tokens,
-                                self._sampling(seqs, b))
+        first, _, _, logprobs = self._run(shape, program, batch, last_index, next_tokens,
+                                          self._sampling(seqs, b))
         first = to_host(first)
+        logprobs = None if logprobs is None else [to_host(a) for a in logprobs]
         self.num_steps["prefill"] += 1
         outputs = []
         for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
+            if logprobs is not None and seq.prompt_logprobs is not None and not seq.output_ids:
+                # rows of prompt positions whose next token is a prompt token, recorded once (not on recompute)
+                start = len(seq.prompt_logprobs) - 1 - seq.num_cached  # first row not yet recorded
+                end = min(len(chunk), len(seq.prompt_ids) - 1 - seq.num_cached)
+                if 0 <= start < end:
+                    rows = (a[i, start:end] for a in logprobs)
+                    seq.prompt_logprobs += logprob_entries(next_tokens[i, start:end], *rows, seq.params.prompt_logprobs)
             seq.num_cached += len(chunk)
+            self._register_pages(seq)
             if seq.is_prefilling or seq.output_ids:  # more chunks to go, or recomputing after preemption
                 continue
             seq.first_token_time = time.perf_counter()
-            outputs.append(self._commit(seq, [int(first[i])]))
+            first_logprob = None
+            if logprobs is not None and seq.logprobs is not None:
+                n = len(chunk) - 1
+                first_logprob = logprob_entries([first[i]], *(a[i, n:n + 1] for a in logprobs), seq.params.logprobs)
+            outputs.append(self._commit(seq, [int(first[i])], first_logprob))
         return outputs
 
     # ------------------------------------------------------------------------------------------------ decode
@@ -215,8 +228,10 @@ class ModelRunner:
         table = self._page_table(seqs, shape.batch, shape.pages)
         inputs = runner.DecodeBatch(bonus, start, slots, table, num_drafts, host_drafts, extra_ids)
         t0 = time.perf_counter()
-        num_accepted, tokens, drafts, *_ = self._run(shape, program, inputs, self._sampling(seqs, shape.batch))
+        num_accepted, tokens, drafts, *_, logprobs = self._run(shape, program, inputs,
+                                                               self._sampling(seqs, shape.batch))
         num_accepted, tokens = to_host(num_accepted), to_host(tokens)
+        logprobs = None if logprobs is None else [to_host(a) for a in logprobs]
         drafts = to_host(drafts) if self.record_drafts else None
         if self.controller is not None and self.programs.runs[shape] > 1:  # a program's first run pays set-up
             self._record_cost(need, shape, time.perf_counter() - t0)
@@ -231,7 +246,10 @@ class ModelRunner:
             if seq.stats.draft_log is not None:
                 seq.stats.draft_log.append([int(d) for d in drafts[i, :num_drafts[i]]])
             seq.num_cached = seq.start + a + 1  # old bonus + accepted drafts; the new bonus has no K/V yet
-            outputs.append(self._commit(seq, [int(t) for t in tokens[i, :a + 1]]))
+            entries = None
+            if logprobs is not None and seq.logprobs is not None:
+                entries = logprob_entries(tokens[i, :a + 1], *(x[i, :a + 1] for x in logprobs), seq.params.logprobs)
+            outputs.append(self._commit(seq, [int(t) for t in tokens[i, :a + 1]], entries))
         return outputs
 
     def _record_cost(self, need: StepShape, shape: StepShape, seconds: float) -> None:

@@ -42,13 +42,13 @@ class ProgramBuilder:
         if shape.kind == "prefill":
             static = dict(tcfg=self.tcfg, proposer=self.proposer, mode=shape.mode)
             step = self._compile(runner.prefill_step, (*state, *args), static)
-            _, rows, prows = step.out_info
+            _, rows, prows, _ = step.out_info
             slots = pslots = args[0].slots
         else:
             static = dict(tcfg=self.tcfg, proposer=self.proposer, num_draft=shape.n, mode=shape.mode,
                           lookup=bool(self.lookup_min_n))
             step = self._compile(runner.decode_step, (*state, *args), static)
-            rows, prows, pslots = step.out_info[3:]
+            rows, prows, pslots = step.out_info[3:6]
             slots = args[0].slots
         commit = self._compile(runner.commit, (state[1], state[3], slots, rows, pslots, prows),
                                dict(kernel=self.tweights.kv_write_kernel))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig
 from specjax.model import target as tgt
 from specjax.model.attention import write_rows
+from specjax.sampling import split_mode, token_logprobs
 from specjax.spec.verify import accept
 
 
@@ -49,7 +50,9 @@ def prefill_step(tw, kv, pw, pstate, batch: tgt.ForwardBatch, last_index, next_t
 
     `next_tokens` [B, T] is the token following each position (the next prompt token; -1 where it is the token
     being sampled now, which is substituted on the device).  Returns (first_tokens [B], target rows, proposer
-    rows): both sets of rows go to batch.slots.
+    rows, logprobs): both sets of rows go to batch.slots.  `logprobs` is None unless `mode` asks for them: then
+    `token_logprobs` of every row's next token, the prompt's under the raw logits and the sampled token's
+    (at `last_index`) under the request's sampling transform.
     """
     hidden, taps, rows = tgt.forward(tw, kv, batch, tcfg, proposer.tap_indices)
     last_hidden = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)  # [B, 1, D]
@@ -58,8 +61,15 @@ def prefill_step(tw, kv, pw, pstate, batch: tgt.ForwardBatch, last_index, next_t
     logits, greedy = tgt.logits_and_greedy(tw, last_hidden)
     _, tokens = accept(logits, no_drafts, jnp.zeros_like(last_pos), last_pos, sampling.temperature, sampling.top_k,
                        sampling.top_p, sampling.seeds, mode, greedy)
-    next_tokens = jnp.where(next_tokens < 0, tokens[:, :1], next_tokens)
-    return tokens[:, 0], rows, proposer.observe(pw, taps, batch.positions, next_tokens)
+    sampled_now = next_tokens < 0  # [B, T]: the row whose next token is the one sampled now (final chunks)
+    next_tokens = jnp.where(sampled_now, tokens[:, :1], next_tokens)
+    logprobs = None
+    if split_mode(mode)[1]:
+        logprobs = token_logprobs(tgt.logits(tw, hidden), next_tokens)  # the model's own distribution over the prompt
+        last = token_logprobs(logits, tokens[:, :1], sampling.temperature, sampling.top_k, sampling.top_p, mode)
+        logprobs = tuple(jnp.where(sampled_now.reshape(sampled_now.shape + (1,) * (a.ndim - 2)), b, a)
+                         for a, b in zip(logprobs, last))
+    return tokens[:, 0], rows, proposer.observe(pw, taps, batch.positions, next_tokens), logprobs
 
 
 @partial(jax.jit, static_argnames=("tcfg", "proposer", "num_draft", "mode", "lookup"))
@@ -68,9 +78,11 @@ def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch
     """One speculative step for the whole batch.  `lookup` (a device proposer beside prompt lookup): rows of
     inputs.host_drafts >= 0 are verified instead of the proposer's drafts, which are computed only if a row is -1.
 
-    Returns (num_accepted [B], tokens [B, K+1], drafts [B, K], target rows, proposer rows, proposer slots); the
-    step commits tokens[:, :num_accepted + 1].  Target rows go to inputs.slots (rows past the accepted length
-    are garbage that later steps overwrite); proposer rows only to the accepted positions.
+    Returns (num_accepted [B], tokens [B, K+1], drafts [B, K], target rows, proposer rows, proposer slots,
+    logprobs); the step commits tokens[:, :num_accepted + 1].  `logprobs` is None unless `mode` asks for them:
+    then `token_logprobs` of `tokens` under the request's sampling transform (each row is the distribution the
+    token was drawn from: the same as plain decoding's at that position).  Target rows go to inputs.slots (rows
+    past the accepted length are garbage that later steps overwrite); proposer rows only to the accepted positions.
     """
     extra = {} if inputs.extra_ids is None else {"extra_ids": inputs.extra_ids}  # (only with `draftable`)
     if num_draft == 0:
@@ -94,9 +106,12 @@ def decode_step(tw, kv, pw, pstate, inputs: DecodeBatch, sampling: SamplingBatch
                                   sampling.top_k, sampling.top_p, sampling.seeds, mode, greedy)
     # Only the rows now part of the sequence (the old bonus and the accepted drafts) become proposer context.
     kept = jnp.arange(num_draft + 1)[None, :] <= num_accepted[:, None]
+    logprobs = None
+    if split_mode(mode)[1]:
+        logprobs = token_logprobs(logits, tokens, sampling.temperature, sampling.top_k, sampling.top_p, mode)
     # tokens[:, j] is the target's token for position start + j + 1: the token following row j.
     return (num_accepted, tokens, drafts, rows, proposer.observe(pw, taps, positions, tokens),
-            jnp.where(kept, inputs.slots, -1))
+            jnp.where(kept, inputs.slots, -1), logprobs)
 
 
 @partial(jax.jit, donate_argnames=("kv", "pstate"), static_argnames=("kernel",))

@@ -21,6 +21,8 @@ functions) whose methods are pure functions of (params, state, inputs):
 * `pages_in_place(kernel, dtype)`  whether every read of the paged state by `propose` goes to the in-place
   attention kernel `kernel` (model/attention.py `reads_pages_in_place`): then a step's page-table width costs
   nothing and the engine passes the widest one (fewer compiled shapes).
+* `observes_next_token` (optional, default False)  whether `observe`'s row at position p depends on the token at
+  p + 1 (EAGLE-3's does): the prefix cache then names a page by its tokens and the one after them (kv/allocator.py).
 * Host proposers (n-gram) set `on_device = False` and implement `host_propose(token_ids, k)` instead.
 """
 
@@ -188,6 +190,7 @@ class Eagle3Proposer:
     max_draft_tokens: int = 4
     name: str = "eagle3"
     on_device: bool = True
+    observes_next_token: bool = True  # its context row at p pairs the target's hidden state at p with token p + 1
 
     def __post_init__(self):
         if self.max_draft_tokens < 1:
