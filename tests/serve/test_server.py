@@ -10,13 +10,14 @@ import time
 
 import httpx
 import jax
+import numpy as np
 import pytest
 
 from specjax.bench.serving import running
 from specjax.config import EngineConfig
 from specjax.llm import LLM
 from specjax.model.loader import load_model
-from specjax.sampling import GREEDY
+from specjax.sampling import GREEDY, SamplingParams
 from specjax.serve.api import create_app
 from specjax.serve.metrics import Metrics
 from specjax.serve.service import EngineService
@@ -178,10 +179,15 @@ def test_client_disconnect_frees_pages(any_server):
 
 @pytest.mark.parametrize("body,match", [
     ({"model": "nope", "prompt": "x"}, "model 'nope' does not exist"),
-    ({"model": MODEL, "prompt": "x", "max_tokens": -3}, "max_tokens must be at least 1"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -3}, "max_tokens must be at least 0"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, r"max_tokens must be at least 1 \(0 only with echo\)"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10_000_000}, "holds 256 tokens: the prompt has 1 and max_tokens "
+                                                                "asks for 10000000"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, r"logprobs must be an integer in \[0, 20\]"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs needs"),
     ({"model": MODEL, "prompt": "x", "temperature": 3.5}, "temperature must be between 0 and 2"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, r"top_p must be in \(0, 1\]"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "only n=1 is supported"),
+    ({"model": MODEL, "prompt": "x", "n": 17}, r"n must be in \[1, 16\]"),
     ({"model": MODEL, "prompt": "x" * 400}, "max_model_len=256"),
     ({"model": MODEL}, "prompt: Field required"),
     ({"model": MODEL, "messages": []}, "messages"),
@@ -263,3 +269,116 @@ def test_tiny_pool_preempts_and_outputs_are_identical(tiny_dirs, request, runtim
         assert together[:3] == alone
         assert service.engine.num_preemptions >= 1
         assert service.engine.allocator.num_used == 0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs):
+    """Plain decoding of the server's model in this process: what the (DFlash) server must send."""
+    return LLM(tiny_dirs["qwen3"], method="ar", engine_config=EngineConfig(max_model_len=256, page_size=8,
+                                                                           prefill_chunk=64))
+
+
+def test_logprobs_and_echo_through_the_openai_client_equal_plain_decodings(server, reference):
+    import openai
+
+    url, service = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    prompt = "Once upon a time"
+    ids = reference.encode(prompt, chat=False)
+    [want] = reference.generate([ids], SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3))
+    comp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3, echo=True,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert comp.choices[0].text.startswith(prompt) and comp.usage.completion_tokens == 8
+    assert len(lp.tokens) == len(ids) + 8 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], [e.logprob for e in want.prompt_logprobs[1:] + want.logprobs],
+                               atol=1e-4)
+    # (a dict by token string: byte tokens that decode alike, U+FFFD, fall together)
+    np.testing.assert_allclose([max(top.values()) for top in lp.top_logprobs[1:]],
+                               [e.top[0][1] for e in want.prompt_logprobs[1:] + want.logprobs], atol=1e-4)
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs[1:]) and lp.text_offset == sorted(lp.text_offset)
+    # max_tokens 0 with echo (what a loglikelihood evaluation sends): the prompt and its logprobs only
+    zero = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    assert zero.choices[0].text == prompt and zero.usage.completion_tokens == 0
+    assert zero.choices[0].logprobs.token_logprobs[1:] == lp.token_logprobs[1:len(ids)]
+    # chat: logprobs + top_logprobs, the same streamed
+    [chat_want] = reference.generate(["hello"], SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2))
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0,
+              logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    np.testing.assert_allclose([c.logprob for c in content], [e.logprob for e in chat_want.logprobs], atol=1e-4)
+    assert [len(c.top_logprobs) for c in content] == [2] * 6
+    assert content[0].top_logprobs[0].token == content[0].token  # greedy: the most likely one
+    streamed = [c for chunk in client.chat.completions.create(**kw, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert service.engine.allocator.num_used == 0
+
+
+def test_seeded_sampling_equals_llm_generate(server, reference):
+    """OpenAI's default is temperature 1: a seeded sampled request (top-p, top-k too) gets exactly what
+    `LLM.generate` draws with the same parameters, streamed or not, through completions and chat."""
+    url, _ = server
+    sampling = dict(temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+    [text_want, chat_want] = [reference.generate([p], SamplingParams(max_new_tokens=16, ignore_eos=True, **sampling),
+                                                 chat=chat)[0].token_ids for p, chat in (("Once", False), ("hi", True))]
+    for stream in (False, True):
+        body = {"model": MODEL, "max_tokens": 16, "ignore_eos": True, "return_token_ids": True, "stream": stream,
+                **sampling}
+        for path, extra, want in (("/v1/completions", {"prompt": "Once"}, text_want),
+                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                                   chat_want)):
+            with httpx.stream("POST", url + path, json={**body, **extra}, timeout=120) as r:
+                chunks = ([json.loads(line[6:]) for line in r.iter_lines()
+                           if line.startswith("data: ") and line != "data: [DONE]"] if stream
+                          else [json.loads(r.read())])
+            got = [t for chunk in chunks for c in chunk["choices"] for t in c.get("token_ids", [])]
+            assert got == want, (path, stream)
+
+
+def test_a_failing_step_gives_500_frees_its_pages_and_the_server_goes_on(server, monkeypatch):
+    url, service = server
+    body = {"model": MODEL, "prompt": "fail me", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def failing_decode(seq_ids):
+        raise RuntimeError("an injected step failure")
+
+    monkeypatch.setattr(service.engine, "_decode", failing_decode)
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    assert service.engine.allocator.num_used == 0 and not service.engine.has_unfinished()
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_n_samples_share_the_prompts_pages_and_follow_their_seeds(server, reference):
+    """n = 4 through the official client: four choices, sample i drawn as `LLM.generate` draws with seed + i, the
+    prompt counted once in usage, the siblings' prompt pages shared (the prefix cache's hits), streamed the same."""
+    import openai
+
+    url, service = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    prompt = "Once upon a time, in a land far away, there lived"  # 48 tokens: 6 full pages of 8
+    ids = reference.encode(prompt, chat=False)
+    want = [r.token_ids for r in reference.generate(
+        [ids] * 4, [SamplingParams(temperature=0.8, seed=10 + i, max_new_tokens=8, ignore_eos=True, logprobs=1)
+                    for i in range(4)], chat=False)]
+    hits = service.engine.prefix_cache_stats["hit_tokens"]
+    body = dict(model=MODEL, prompt=prompt, max_tokens=8, n=4, temperature=0.8, seed=10, logprobs=1,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    comp = client.completions.create(**body)
+    assert [c.index for c in comp.choices] == [0, 1, 2, 3]
+    assert [c.model_extra["token_ids"] for c in comp.choices] == want
+    assert all(len(c.logprobs.token_logprobs) == 8 for c in comp.choices)
+    assert comp.usage.prompt_tokens == len(ids) and comp.usage.completion_tokens == 32
+    assert service.engine.prefix_cache_stats["hit_tokens"] - hits >= 3 * (len(ids) - 1) // 8 * 8
+    streamed = {i: [] for i in range(4)}
+    for chunk in client.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.model_extra.get("token_ids") or []
+    assert [streamed[i] for i in range(4)] == want
+    metrics = httpx.get(url + "/metrics").text
+    assert "specjax_prefix_cache_hit_rate" in metrics and "specjax_prefix_cache_pages" in metrics
+    assert service.engine.allocator.num_used == 0

@@ -35,7 +35,8 @@ def build_server(args):
                        context_vocab=args.context_vocab,
                        adaptive_k=args.adaptive_k and args.method != "ar", prefill_chunk=args.prefill_chunk,
                        page_bucket_factor=args.page_bucket_factor, max_step_programs=args.max_step_programs,
-                       program_cache=getattr(args, "program_cache", None), kv_cache_dtype=args.kv_cache_dtype)
+                       program_cache=getattr(args, "program_cache", None), kv_cache_dtype=args.kv_cache_dtype,
+                       prefix_caching=args.prefix_caching)
     import jax
 
     from specjax.config import ConfigError
@@ -274,6 +275,9 @@ def add_server_args(p: argparse.ArgumentParser, warmup: str) -> None:
                         "at most what --max-num-seqs full-length sequences use). Default: 1GiB on a CPU (longer "
                         "requests beyond it are preempted and recomputed), the full worst case on accelerators")
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--prefix-caching", default=True, action=argparse.BooleanOptionalAction,
+                   help="reuse the KV pages (target and drafter rows) of prompt prefixes seen before; free cached "
+                        "pages are evicted least recently used (--no-prefix-caching: compute every prompt)")
     p.add_argument("--page-bucket-factor", type=int, default=4,
                    help="KV-page bucket growth: fewer shapes to compile at start-up vs. padded gathers")
     p.add_argument("--max-step-programs", type=int, default=0,

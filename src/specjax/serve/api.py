@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -14,9 +15,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specjax.engine.engine import RequestError
-from specjax.sampling import SamplingError, SamplingParams
+from specjax.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
+from specjax.serve.choices import Choice, merged
+from specjax.serve.logprobs import TokenText
 from specjax.serve.replicas import DataParallelService
 from specjax.serve.service import EngineService
+
+MAX_N = 16  # most samples one request may ask for
 
 
 class OpenAIError(Exception):
@@ -63,22 +68,15 @@ class SamplingFields(BaseModel):
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, v):
-        if v is not None and v < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {v}")
+        if v is not None and v < 0:
+            raise ValueError(f"max_tokens must be at least 0 (0 only with echo), got {v}")
         return v
 
     @field_validator("n")
     @classmethod
     def _n(cls, v):
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got n={v}")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported by this server")
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {v}")
         return v
 
     def stops(self) -> tuple[str, ...]:
@@ -91,7 +89,15 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch (choices i * n .. i * n + n - 1)
+    echo: bool = False  # the prompt before the completion (with its tokens' logprobs when logprobs is set)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None and (isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        return v
 
 
 class ChatMessage(BaseModel):
@@ -103,6 +109,34 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
+        return v
+
+    def wanted_logprobs(self) -> int | None:
+        """The engine's SamplingParams.logprobs for this request (None: off)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.logprobs not in (None, False, True):
+            raise OpenAIError(f"logprobs must be a boolean in chat completions, got {self.logprobs!r}", "logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[int]
 
 
 def create_app(service: EngineService | DataParallelService, model_name: str, default_max_tokens: int = 256) -> FastAPI:
@@ -130,11 +164,20 @@ def create_app(service: EngineService | DataParallelService, model_name: str, de
             raise OpenAIError(f"model {name!r} does not exist; this server serves {model_name!r}", "model",
                               code="model_not_found")
 
-    def build(req: SamplingFields, prompt_ids: list[int], max_tokens: int | None):
+    def build(req: SamplingFields, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None = None,
+              prompt_logprobs: int | None = None):
+        """Validated SamplingParams of a request.  `max_tokens` 0 (echo only) generates one token that is not sent;
+        unset, it is the server's default cut to what the context holds; set, prompt + max_tokens must fit."""
+        room = service.max_model_len - len(prompt_ids)
+        if max_tokens is not None and max_tokens > room:
+            raise OpenAIError(f"this model's context holds {service.max_model_len} tokens: the prompt has "
+                              f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more", "max_tokens")
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, max(room, 1))
         try:
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                    max_new_tokens=max_tokens or default_max_tokens, seed=req.seed,
-                                    ignore_eos=req.ignore_eos)
+                                    max_new_tokens=max(max_tokens, 1), seed=req.seed, ignore_eos=req.ignore_eos,
+                                    logprobs=logprobs, prompt_logprobs=prompt_logprobs)
             service.validate_request(prompt_ids, params)
         except (SamplingError, RequestError) as e:
             raise OpenAIError(str(e)) from None
@@ -153,86 +196,125 @@ def create_app(service: EngineService | DataParallelService, model_name: str, de
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "specjax"}]}
 
+    # vLLM's tokenizer endpoints (lm-evaluation-harness's `tokenizer_backend=remote` uses them: a GGUF model has no
+    # Hugging Face tokenizer directory for the client to load)
+    def need_tokenizer():
+        if tokenizer is None:
+            raise OpenAIError("this model has no tokenizer", code="no_tokenizer")
+        return tokenizer
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tok = need_tokenizer()
+        return {"tokenizer_class": "specjax", "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                "pad_token": None, "chat_template": tok.chat_template, "model_max_length": service.max_model_len}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        tok = need_tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError("give exactly one of prompt and messages", "prompt")
+        ids = (tok.encode(req.prompt, add_special_tokens=req.add_special_tokens) if req.prompt is not None
+               else tok.encode_chat([m.model_dump() for m in req.messages]))
+        return {"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        tok = need_tokenizer()
+        bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise OpenAIError(f"token ids {bad[:5]} are outside the vocabulary [0, {tok.vocab_size})", "tokens")
+        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
+
     @app.get("/metrics")
     async def metrics():
         return Response(service.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    async def run(request: Request, req: SamplingFields, prompt_ids: list[int], params: SamplingParams, chat: bool):
-        state = service.submit(prompt_ids, params, req.stops())
+    async def run(req: SamplingFields, prompts: list[list[int]], params: list[SamplingParams], chat: bool,
+                  echo: list[str] | None = None, send_tokens: bool = True):
+        """Serve one request: n engine requests per prompt (the first's prefill shared by the others), streamed or
+        not.  `echo`: each prompt's text, sent before its completions; `send_tokens` False (max_tokens 0): the one
+        token generated is not sent or counted."""
+        states = []
+        for prompt_ids, prompt_params in zip(prompts, params):
+            first = None
+            for i in range(req.n):  # sample i of a seeded request draws from seed + i
+                seeded = (prompt_params if prompt_params.seed is None or i == 0
+                          else dataclasses.replace(prompt_params, seed=prompt_params.seed + i))
+                states.append(service.submit(prompt_ids, seeded, req.stops(), after=first))
+                first = first or states[-1]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        token_text = TokenText(tokenizer)
+        choices = [Choice(i, st, chat, token_text, echo[i // req.n] if echo else None, send_tokens,
+                          req.return_token_ids) for i, st in enumerate(states)]
 
-        def choice(text: str, finish: str | None, delta: bool):
-            reason = None if finish is None else ("length" if finish == "length" else "stop")
-            if chat:
-                body = {"delta": {"content": text}} if delta else {"message": {"role": "assistant", "content": text}}
-                return {"index": 0, **body, "finish_reason": reason, "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-
-        def usage(ev):
-            return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-                    "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+        def usage() -> dict:
+            completion = sum(c.completion_tokens for c in choices)
+            prompt = sum(map(len, prompts))  # each prompt counts once, whatever n, as OpenAI counts it
+            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
         if not req.stream:
-            text, token_ids = [], []
             try:
-                while True:
-                    ev = await state.events.get()
-                    text.append(ev.text)
-                    token_ids += ev.token_ids
-                    if ev.finished:
-                        break
+                async for i, ev in merged(states):
+                    choices[i].add(ev)
             except BaseException:
-                service.abort(state)
+                for st in states:
+                    service.abort(st)
                 raise
-            if ev.finish_reason == "error":
+            if any(c.last.finish_reason == "error" for c in choices):
                 return error_response("the engine failed while generating", status=500)
-            out = choice("".join(text), ev.finish_reason, False)
-            if req.return_token_ids:
-                out["token_ids"] = token_ids
-            return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [out],
-                    "usage": usage(ev)}
+            return {"id": rid, "object": obj, "created": created, "model": model_name,
+                    "choices": [c.whole() for c in choices], "usage": usage()}
 
         include_usage = bool((req.stream_options or {}).get("include_usage"))
+        chunk_obj = obj + ".chunk" if chat else obj
+
+        def chunk(choice_bodies: list, **extra) -> str:
+            body = {"id": rid, "object": chunk_obj, "created": created, "model": model_name, "choices": choice_bodies}
+            return f"data: {json.dumps({**body, **extra})}\n\n"
 
         async def sse():
-            chunk_obj = obj + ".chunk" if chat else obj
             try:
                 if chat:
-                    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                    yield f"data: {json.dumps({'id': rid, 'object': chunk_obj, 'created': created, 'model': model_name, 'choices': [first]})}\n\n"  # noqa: E501
-                while True:
-                    ev = await state.events.get()
-                    if ev.text or ev.finished or (req.return_token_ids and ev.token_ids):
-                        out = choice(ev.text, ev.finish_reason if ev.finished else None, True)
-                        if req.return_token_ids:
-                            out["token_ids"] = ev.token_ids
-                        body = {"id": rid, "object": chunk_obj, "created": created, "model": model_name,
-                                "choices": [out]}
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                                 for i in range(len(choices))])
+                async for i, ev in merged(states):
+                    if ev.finish_reason == "error":
+                        body = {"error": {"message": "the engine failed while generating", "type": "server_error"}}
                         yield f"data: {json.dumps(body)}\n\n"
-                    if ev.finished:
-                        if include_usage:
-                            body = {"id": rid, "object": chunk_obj, "created": created, "model": model_name,
-                                    "choices": [], "usage": usage(ev)}
-                            yield f"data: {json.dumps(body)}\n\n"
-                        yield "data: [DONE]\n\n"
                         return
-            finally:  # client went away (generator cancelled/closed) before the end: free the request's pages
-                service.abort(state)
+                    out = choices[i].chunk(ev)
+                    if out is not None:
+                        yield chunk([out])
+                if include_usage:
+                    yield chunk([], usage=usage())
+                yield "data: [DONE]\n\n"
+            finally:  # client went away (generator cancelled/closed) before the end: free the requests' pages
+                for st in states:
+                    service.abort(st)
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest):
         check_model(req.model)
-        if isinstance(req.prompt, str):
-            if tokenizer is None:
-                raise OpenAIError("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-            prompt_ids = tokenizer.encode(req.prompt)
-        else:
-            prompt_ids = list(req.prompt)
-        return await run(request, req, prompt_ids, build(req, prompt_ids, req.max_tokens), chat=False)
+        batch = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
+            else [req.prompt]
+        if not batch:
+            raise OpenAIError("the prompt is empty", "prompt")
+        if any(isinstance(p, str) for p in batch) and tokenizer is None:
+            raise OpenAIError("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+        if req.max_tokens == 0 and not req.echo:
+            raise OpenAIError("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else (tokenizer.decode(p) if tokenizer else "") for p in batch]
+        prompt_logprobs = req.logprobs if req.echo else None
+        params = [build(req, ids, req.max_tokens, req.logprobs, prompt_logprobs) for ids in prompts]
+        return await run(req, prompts, params, False, echo, send_tokens=req.max_tokens != 0)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, req: ChatRequest):
@@ -244,6 +326,8 @@ def create_app(service: EngineService | DataParallelService, model_name: str, de
         except Exception as e:  # a template rejecting the conversation (e.g. roles out of order)
             raise OpenAIError(f"chat template failed on these messages: {e}", "messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await run(request, req, prompt_ids, build(req, prompt_ids, max_tokens), chat=True)
+        if max_tokens == 0:
+            raise OpenAIError("max_tokens must be at least 1", "max_tokens")
+        return await run(req, [prompt_ids], [build(req, prompt_ids, max_tokens, req.wanted_logprobs())], chat=True)
 
     return app

@@ -34,8 +34,8 @@ class Publisher:
     def __init__(self, client):
         self.client, self.step, self.calls = client, 0, []
 
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.calls.append(["add", list(prompt_ids), dataclasses.asdict(params)])
+    def add(self, prompt_ids: list[int], params: SamplingParams, after: int | None = None) -> None:
+        self.calls.append(["add", list(prompt_ids), dataclasses.asdict(params), after])
 
     def abort(self, seq_id: int) -> None:
         self.calls.append(["abort", seq_id])
@@ -66,7 +66,7 @@ def follow(engine, client, poll_ms: int = 60_000) -> int:
                 return step
             if call[0] == "add":
                 params = dict(call[2], stop_token_ids=tuple(call[2]["stop_token_ids"]))
-                engine.add_request(call[1], SamplingParams(**params))
+                engine.add_request(call[1], SamplingParams(**params), after=call[3])
             elif call[0] == "abort":
                 engine.abort(call[1])
         if engine.has_unfinished():

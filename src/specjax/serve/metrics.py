@@ -39,6 +39,14 @@ class Metrics:
         self.kv_pages_used = Gauge("specjax_kv_pages_in_use", "KV pages owned by requests", registry=r)
         self.kv_pages_total = Gauge("specjax_kv_pages_total", "KV pages in the pool (scratch page excluded)",
                                     registry=r)
+        self.cached_pages = Gauge("specjax_prefix_cache_pages", "KV pages kept for the prefix cache and owned by no "
+                                  "request (evicted least recently used when the pool needs them)", registry=r)
+        self.prefix_queried = Gauge("specjax_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix "
+                                    "cache, since start", registry=r)
+        self.prefix_hits = Gauge("specjax_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not "
+                                 "computed), since start", registry=r)
+        self.prefix_hit_rate = Gauge("specjax_prefix_cache_hit_rate", "hit_tokens / queried_tokens, since start",
+                                     registry=r)
         self.running = Gauge("specjax_num_requests_running", "Requests running", registry=r)
         self.waiting = Gauge("specjax_num_requests_waiting", "Requests waiting for pages", registry=r)
         self.preemptions = Counter("specjax_num_preemptions", "Requests preempted (recomputed later)", registry=r)
@@ -71,6 +79,13 @@ class Metrics:
         self.foreground_compiles.set(programs.foreground_builds)
         self.program_evictions.set(programs.evictions)
         self.program_rebuilds.set(programs.rebuilds)
+
+    def set_prefix_cache(self, allocator, stats: dict[str, int]) -> None:
+        """allocator: the engine's PageAllocator; stats: LLMEngine.prefix_cache_stats."""
+        self.cached_pages.set(allocator.num_cached)
+        self.prefix_queried.set(stats["queried_tokens"])
+        self.prefix_hits.set(stats["hit_tokens"])
+        self.prefix_hit_rate.set(stats["hit_tokens"] / max(1, stats["queried_tokens"]))
 
     def record_decode(self, records: list[tuple[int, int, int]], k: int | None) -> None:
         """records: (seq_id, drafts, accepted) per sequence of one decode step."""

@@ -42,6 +42,7 @@ class DataParallelService:
             raise ValueError("DataParallelService needs at least one replica")
         self.services = services
         self.tokenizer = services[0].tokenizer
+        self.max_model_len = services[0].max_model_len  # every replica has the same model and limits
         self.registry = CollectorRegistry()
         self.rejected = Counter("specjax_rejected_requests", "Requests rejected with HTTP 400", registry=self.registry)
         self.registry.register(_ReplicaSeries(services))
@@ -62,7 +63,11 @@ class DataParallelService:
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.services[0].validate_request(prompt_ids, params)  # every replica has the same model and limits
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = ()) -> RequestState:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),
+               after: RequestState | None = None) -> RequestState:
+        """To the replica with the fewest unfinished requests; n > 1 siblings (`after`) to their first's."""
+        if after is not None:
+            return after.owner.submit(prompt_ids, params, stop, after)
         least = min(self.services, key=lambda s: s.outstanding())
         return least.submit(prompt_ids, params, stop)
 

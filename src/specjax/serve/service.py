@@ -16,6 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import jax
+
 from specjax.engine.engine import LLMEngine
 from specjax.model.tokenizer import StreamDecoder, Tokenizer
 from specjax.sampling import SamplingParams
@@ -32,6 +34,7 @@ class Event:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list | None = None  # engine/sequence.TokenLogprob of token_ids, when the request asked for them
 
 
 @dataclass
@@ -51,6 +54,8 @@ class RequestState:
     completion_tokens: int = 0
     done: bool = False
     owner: "EngineService | None" = None  # the service (engine replica) serving it
+    prompt_logprobs: list | None = None  # with params.prompt_logprobs: set before the first token's event
+    after: "RequestState | None" = None  # n > 1: the request whose prefill this one shares (same engine)
 
 
 class EngineService:
@@ -59,6 +64,7 @@ class EngineService:
         self.engine = engine
         self.publisher = publisher  # multi-host: process 0 publishes its engine calls to the followers (lockstep.py)
         self.tokenizer = tokenizer
+        self.max_model_len = engine.config.max_model_len
         self.metrics = metrics
         metrics.set_memory(engine.memory_bytes())
         self.idle_sleep = idle_sleep
@@ -91,11 +97,14 @@ class EngineService:
         """Raise RequestError if the engine cannot serve the request (read-only)."""
         self.engine.validate_request(prompt_ids, params)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = ()) -> RequestState:
-        """Queue a validated request; events arrive on the returned state's `events` (asyncio) queue."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),
+               after: RequestState | None = None) -> RequestState:
+        """Queue a validated request; events arrive on the returned state's `events` (asyncio) queue.  `after`: a
+        request with the same prompt submitted before (n > 1) whose prefill this one waits for and shares."""
         state = RequestState(next(self.ids), list(prompt_ids), params, tuple(s for s in stop if s),
                              asyncio.get_running_loop(), asyncio.Queue(),
-                             StreamDecoder(self.tokenizer) if self.tokenizer is not None else None, owner=self)
+                             StreamDecoder(self.tokenizer) if self.tokenizer is not None else None, owner=self,
+                             after=after)
         with self._outstanding_lock:
             self._outstanding += 1
         self.commands.put(("add", state))
@@ -130,12 +139,32 @@ class EngineService:
             while not self.stopping.is_set():
                 self._drain(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    self._step()
+                    try:
+                        self._step()
+                    except Exception:
+                        if not self._caches_alive():
+                            raise
+                        log.exception("an engine step failed: its requests end with an error, serving goes on")
+                        self._fail_unfinished()
         except BaseException as e:  # surface engine crashes to every waiting client instead of hanging them
             log.exception("engine thread crashed")
             self.error = e
             for state in list(self.by_request.values()):
                 self._emit(state, Event("", [], True, "error"))
+
+    def _caches_alive(self) -> bool:
+        """Whether the engine's KV pools survived a failed step (a step that failed after donating them has lost
+        every request's cache: the engine cannot go on)."""
+        return not any(x.is_deleted() for x in jax.tree.leaves((self.engine.kv, self.engine.pstate)))
+
+    def _fail_unfinished(self) -> None:
+        """After a failed step: end every request the engine holds with an error event and free its pages."""
+        for seq_id in [s.seq_id for s in (*self.engine.running, *self.engine.waiting)]:
+            self._abort(seq_id)
+            state = self.by_seq.get(seq_id)
+            if state is not None and not state.done:
+                self._finish(state, "error")
+        self.metrics.kv_pages_used.set(self.engine.allocator.num_used)
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -146,9 +175,10 @@ class EngineService:
             block = False
             if cmd[0] == "add":
                 state = cmd[1]
-                state.seq_id = self.engine.add_request(state.prompt_ids, state.params)
+                after = state.after.seq_id if state.after is not None else None
+                state.seq_id = self.engine.add_request(state.prompt_ids, state.params, after=after)
                 if self.publisher is not None:
-                    self.publisher.add(state.prompt_ids, state.params)
+                    self.publisher.add(state.prompt_ids, state.params, after)
                 self.by_seq[state.seq_id] = state
                 self.by_request[state.request_id] = state
                 self.metrics.prompt_tokens.inc(len(state.prompt_ids))
@@ -172,6 +202,7 @@ class EngineService:
             if state.first_token is None and out.new_token_ids:
                 state.first_token = now
                 self.metrics.ttft.observe(now - state.arrival)
+                state.prompt_logprobs = self.engine.seqs[out.seq_id].prompt_logprobs
             state.completion_tokens += len(out.new_token_ids)
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
             delta_text = state.decoder.push(out.new_token_ids) if state.decoder else ""
@@ -182,14 +213,15 @@ class EngineService:
             if hit is not None:
                 state.text = state.text[:hit]
                 self._abort(out.seq_id)
-                self._emit_text(state, out.new_token_ids, final=True)
+                self._emit_text(state, out.new_token_ids, True, out.logprobs)
                 self._finish(state, "stop")
                 continue
-            self._emit_text(state, out.new_token_ids, final=out.finished)
+            self._emit_text(state, out.new_token_ids, out.finished, out.logprobs)
             if out.finished:
                 self._finish(state, out.finish_reason)
         self.metrics.preemptions.inc(self.engine.num_preemptions - preempted_before)
         self.metrics.kv_pages_used.set(self.engine.allocator.num_used)
+        self.metrics.set_prefix_cache(self.engine.allocator, self.engine.prefix_cache_stats)
         self.metrics.running.set(len(self.engine.running))
         self.metrics.waiting.set(len(self.engine.waiting))
 
@@ -203,14 +235,15 @@ class EngineService:
         hits = [h for h in hits if h >= 0]
         return min(hits) if hits else None
 
-    def _emit_text(self, state: RequestState, token_ids: list[int], final: bool) -> None:
-        """Send text that can no longer become part of a stop string (everything, when final)."""
+    def _emit_text(self, state: RequestState, token_ids: list[int], final: bool, logprobs=None) -> None:
+        """Send text that can no longer become part of a stop string (everything, when final), with the new tokens
+        (and their log-probabilities)."""
         hold = 0 if final else max((len(s) - 1 for s in state.stop), default=0)
         upto = max(state.sent, len(state.text) - hold)
         chunk = state.text[state.sent:upto]
         state.sent = upto
         if chunk or token_ids:
-            self._emit(state, Event(chunk, list(token_ids)))
+            self._emit(state, Event(chunk, list(token_ids), logprobs=logprobs))
 
     def _finish(self, state: RequestState, reason: str | None, emit: bool = True) -> None:
         state.done = True
