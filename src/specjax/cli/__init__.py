@@ -6,14 +6,14 @@ import argparse
 import logging
 import sys
 
-from specjax.cli import bench, generate, serve, train
+from specjax.cli import bench, evaluate, generate, serve, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Lossless speculative decoding (DFlash) in JAX.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (generate, train, bench, serve):
+    for module in (generate, train, bench, serve, evaluate):
         module.register(sub)
     return parser
 
