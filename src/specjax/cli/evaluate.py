@@ -37,7 +37,8 @@ def cmd_bench_eval(args) -> int:
             print(f"{method:>7} {task}: {r['metrics']} in {r['wall_s']:.1f} s", file=sys.stderr, flush=True)
     first = next(iter(results.values()))
     rows = [{"method": m, "task": t, "metrics": r[t]["metrics"], "wall_s": round(r[t]["wall_s"], 2),
-             "same_answers_as_" + next(iter(results)): r[t]["samples"] == first[t]["samples"]}
+             "same_answers_as_" + next(iter(results)): r[t]["samples"] == first[t]["samples"],
+             "first_answers": r[t]["samples"][:2]}
             for m, r in results.items() for t in tasks]
     record = {"kind": "bench-eval", "machine": machine_info(), "rows": rows,
               "config": {"data_file": data_file, "limit": args.limit, "max_gen_toks": args.max_gen_toks,
@@ -54,7 +55,7 @@ def register(sub) -> None:
 
     ev = sub.add_parser("bench-eval", help="lm-evaluation-harness (local GSM8K generation and loglikelihood tasks) "
                                            "against specjax serve, per method: scores, equal answers, wall time")
-    add_server_args(ev, warmup="background")
+    add_server_args(ev, warmup="all")  # wall times of served requests, not of compiling their shapes
     ev.add_argument("--methods", default="ar,dflash")
     ev.add_argument("--data-file", default=None, help="GSM8K-format JSON lines (default: ../shared/data's test set)")
     ev.add_argument("--limit", type=int, default=20, help="documents per task")
