@@ -16,9 +16,10 @@ import jax.numpy as jnp
 
 # Static sampler variants: chosen per step on the host so greedy batches never pay for sorting the vocabulary.
 GREEDY, SAMPLE, SAMPLE_FILTERED = "greedy", "sample", "sample_filtered"
-# A variant's name + LOGPROBS: the step also returns log-probabilities (`token_logprobs`): only steps serving a
-# request that asked for them pay for a log-softmax and a top-k over the vocabulary.
-LOGPROBS = "+logprobs"
+# A variant's name + LOGPROBS: the step also returns log-probabilities (`token_logprobs`) of the tokens it samples;
+# + PROMPT_LOGPROBS (prefill): of every prompt token too.  Only steps serving a request that asked for them pay for a
+# log-softmax and a top-k over the vocabulary (over every row of a prompt chunk only for prompt logprobs).
+LOGPROBS, PROMPT_LOGPROBS = "+logprobs", "+prompt_logprobs"
 MAX_LOGPROBS = 20  # most alternatives a request may ask for (OpenAI's top_logprobs limit); every step returns these
 
 
@@ -89,17 +90,23 @@ class SamplingParams:
 
 
 def sampler_mode(params: list[SamplingParams], prompt: bool = False) -> str:
-    """The cheapest static sampler variant that serves every request of a batch (+ LOGPROBS if one asks for them:
-    for its output tokens, or with `prompt` (a prefill step) for its prompt's)."""
-    lp = LOGPROBS if any(p.logprobs is not None or (prompt and p.prompt_logprobs is not None) for p in params) else ""
+    """The cheapest static sampler variant that serves every request of a batch, + LOGPROBS if one asks for its
+    tokens' log-probabilities, or (a prefill step, `prompt`) + PROMPT_LOGPROBS if one asks for its prompt's."""
+    if prompt and any(p.prompt_logprobs is not None for p in params):
+        lp = PROMPT_LOGPROBS
+    else:
+        lp = LOGPROBS if any(p.logprobs is not None for p in params) else ""
     if all(p.is_greedy for p in params):
         return GREEDY + lp
     return (SAMPLE_FILTERED if any(p.needs_filter and not p.is_greedy for p in params) else SAMPLE) + lp
 
 
-def split_mode(mode: str) -> tuple[str, bool]:
-    """A sampler mode -> (its variant: GREEDY / SAMPLE / SAMPLE_FILTERED, whether it returns log-probabilities)."""
-    return mode.removesuffix(LOGPROBS), mode.endswith(LOGPROBS)
+def split_mode(mode: str) -> tuple[str, bool, bool]:
+    """A sampler mode -> (its variant: GREEDY / SAMPLE / SAMPLE_FILTERED, whether it returns log-probabilities of
+    the sampled tokens, whether of the prompt's too)."""
+    if mode.endswith(PROMPT_LOGPROBS):
+        return mode.removesuffix(PROMPT_LOGPROBS), True, True
+    return mode.removesuffix(LOGPROBS), mode.endswith(LOGPROBS), False
 
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -138,7 +145,7 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     """
     if greedy is None:
         greedy = first_argmax(logits)
-    mode, _ = split_mode(mode)
+    mode = split_mode(mode)[0]
     if mode == GREEDY:
         return greedy
     t, k, p = (a[:, None] for a in (temperature, top_k, top_p))
@@ -161,7 +168,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array 
     SAMPLE_FILTERED step, cut to top-k / top-p (tokens outside have -inf); greedy rows (and a GREEDY step, or no
     sampling arrays given) use the raw logits.  A token of -1 (padding) gets logprob 0."""
     x = logits.astype(jnp.float32)
-    variant, _ = split_mode(mode)
+    variant = split_mode(mode)[0]
     if variant != GREEDY and temperature is not None:
         t, k, p = (a[:, None] for a in (temperature, top_k, top_p))
         sampled = ((t > 0) & (k != 1))[..., None]

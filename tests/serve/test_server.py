@@ -311,7 +311,8 @@ def test_logprobs_and_echo_through_the_openai_client_equal_plain_decodings(serve
     assert content[0].top_logprobs[0].token == content[0].token  # greedy: the most likely one
     streamed = [c for chunk in client.chat.completions.create(**kw, stream=True)
                 if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert [c.token for c in streamed] == [c.token for c in content]  # (its prompt came from the prefix cache:
+    np.testing.assert_allclose([c.logprob for c in streamed], [c.logprob for c in content], atol=1e-4)  # rounding)
     assert service.engine.allocator.num_used == 0
 
 

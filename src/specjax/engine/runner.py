@@ -51,8 +51,8 @@ def prefill_step(tw, kv, pw, pstate, batch: tgt.ForwardBatch, last_index, next_t
     `next_tokens` [B, T] is the token following each position (the next prompt token; -1 where it is the token
     being sampled now, which is substituted on the device).  Returns (first_tokens [B], target rows, proposer
     rows, logprobs): both sets of rows go to batch.slots.  `logprobs` is None unless `mode` asks for them: then
-    `token_logprobs` of every row's next token, the prompt's under the raw logits and the sampled token's
-    (at `last_index`) under the request's sampling transform.
+    `token_logprobs` [B, T] of each row's next token: the sampled token's (its row) under the request's sampling
+    transform, and with PROMPT_LOGPROBS the prompt's under the raw logits (zeros without).
     """
     hidden, taps, rows = tgt.forward(tw, kv, batch, tcfg, proposer.tap_indices)
     last_hidden = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)  # [B, 1, D]
@@ -64,11 +64,14 @@ def prefill_step(tw, kv, pw, pstate, batch: tgt.ForwardBatch, last_index, next_t
     sampled_now = next_tokens < 0  # [B, T]: the row whose next token is the one sampled now (final chunks)
     next_tokens = jnp.where(sampled_now, tokens[:, :1], next_tokens)
     logprobs = None
-    if split_mode(mode)[1]:
-        logprobs = token_logprobs(tgt.logits(tw, hidden), next_tokens)  # the model's own distribution over the prompt
+    _, sampled_logprobs, prompt_logprobs = split_mode(mode)
+    if sampled_logprobs:
         last = token_logprobs(logits, tokens[:, :1], sampling.temperature, sampling.top_k, sampling.top_p, mode)
+        # the model's own distribution over the prompt (rows of zeros without PROMPT_LOGPROBS)
+        prompt = (token_logprobs(tgt.logits(tw, hidden), next_tokens) if prompt_logprobs
+                  else tuple(jnp.zeros(next_tokens.shape + a.shape[2:], a.dtype) for a in last))
         logprobs = tuple(jnp.where(sampled_now.reshape(sampled_now.shape + (1,) * (a.ndim - 2)), b, a)
-                         for a, b in zip(logprobs, last))
+                         for a, b in zip(prompt, last))
     return tokens[:, 0], rows, proposer.observe(pw, taps, batch.positions, next_tokens), logprobs
 
 
