@@ -74,9 +74,9 @@ def test_bench_serve_cli_on_a_tiny_model(tiny_dirs, tmp_path):
 
     out = tmp_path / "serve"
     cmd = [sys.executable, "-m", "specjax.cli", "bench-serve", "--model", tiny_dirs["qwen3"], "--drafter", "random:1",
-           "--block-size", "4", "--methods", "ar,dflash", "--concurrency", "1,4", "--requests-per-level", "4",
+           "--block-size", "4", "--methods", "ar,dflash:no-cache", "--concurrency", "1,4", "--requests-per-level", "4",
            "--max-tokens", "8", "--num-prompts", "2", "--max-model-len", "1024", "--page-size", "128",
-           "--max-num-seqs", "4",
+           "--max-num-seqs", "4", "--system-prompt-tokens", "64",
            "--rounds", "2", "--out-dir", str(out), "--compile-cache", "", "--warmup", "none"]
     # --warmup none: the shapes these few requests use compile on first use, not every bucket of both servers at
     # start-up (the slowest test of the suite, 212 s; warmup_all is tests/serve's fixture; no timing is asserted)
@@ -84,19 +84,22 @@ def test_bench_serve_cli_on_a_tiny_model(tiny_dirs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads((out / "bench_serve.json").read_text())
     rows = {(r["method"], r["concurrency"]): r for r in record["rows"]}
-    assert set(rows) == {("ar", 1), ("ar", 4), ("dflash", 1), ("dflash", 4)}
+    d = "dflash:no-cache"  # DFlash without prefix caching, beside plain decoding with it
+    assert set(rows) == {("ar", 1), ("ar", 4), (d, 1), (d, 4)}
     assert all(r["rounds"] == 2 and r["requests"] == 8 and r["output_tokens"] == 64 for r in rows.values())
     # both servers live at once; per level the order alternates round by round
     order = [(r["method"], r["concurrency"], r["round"]) for r in record["rounds"]]
-    assert order == [("ar", 1, 0), ("dflash", 1, 0), ("dflash", 1, 1), ("ar", 1, 1),
-                     ("ar", 4, 0), ("dflash", 4, 0), ("dflash", 4, 1), ("ar", 4, 1)]
+    assert order == [("ar", 1, 0), (d, 1, 0), (d, 1, 1), ("ar", 1, 1),
+                     ("ar", 4, 0), (d, 4, 0), (d, 4, 1), ("ar", 4, 1)]
     assert rows[("ar", 4)]["speedup_vs_ar"] == pytest.approx(1.0)
-    d = rows[("dflash", 4)]
     tput = {(r["method"], r["round"]): r["throughput_tok_s"] for r in record["rounds"] if r["concurrency"] == 4}
-    assert d["paired_speedups"] == pytest.approx([tput[("dflash", i)] / tput[("ar", i)] for i in (0, 1)])
-    assert min(d["paired_speedups"]) <= d["speedup_vs_ar"] <= max(d["paired_speedups"])
+    assert rows[(d, 4)]["paired_speedups"] == pytest.approx([tput[(d, i)] / tput[("ar", i)] for i in (0, 1)])
+    assert min(rows[(d, 4)]["paired_speedups"]) <= rows[(d, 4)]["speedup_vs_ar"] <= max(rows[(d, 4)]["paired_speedups"])
+    # the shared system prompt (~380 byte tokens: 2 full pages of 128) comes from the cache where it is on
+    assert rows[("ar", 4)]["prefix_cache_hit_rate"] > 0.4 and rows[(d, 4)]["prefix_cache_hit_rate"] is None
+    assert record["config"]["system_prompt_tokens"] == 64
     assert (out / "bench_serve.png").exists()
-    assert "| dflash | 4 |" in proc.stdout
+    assert f"| {d} | 4 |" in proc.stdout
 
 
 def test_bench_serve_names_the_server_that_cannot_start(tiny_dirs, tmp_path):

@@ -51,8 +51,19 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-async def one_request(client, url, model, prompt, max_tokens):
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+def system_prompt(num_tokens: int) -> str | None:
+    """A fixed system prompt of about `num_tokens` tokens (numbered rules of ~16 tokens each), shared by every
+    request of a run: what a chat service sends on every turn, and what prefix caching serves from its pages."""
+    if num_tokens <= 0:
+        return None
+    rules = [f"Rule {i}: answer the question carefully, show each step and keep the units consistent."
+             for i in range(1, max(1, num_tokens // 16) + 1)]
+    return "You are a careful assistant.\n" + "\n".join(rules)
+
+
+async def one_request(client, url, model, prompt, max_tokens, system=None):
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "return_token_ids": True, "ignore_eos": True}
     t0 = time.perf_counter()
     first = last = None
@@ -84,7 +95,7 @@ def request_max_tokens(i: int, max_tokens: int, spread: float) -> int:
     return max(1, round(max_tokens * (1 - spread + 2 * spread * u)))
 
 
-async def run_level(url, model, prompts, concurrency, num_requests, max_tokens, spread=0.0):
+async def run_level(url, model, prompts, concurrency, num_requests, max_tokens, spread=0.0, system=None):
     queue = list(range(num_requests))
     results = []
 
@@ -92,7 +103,7 @@ async def run_level(url, model, prompts, concurrency, num_requests, max_tokens, 
         while queue:
             i = queue.pop()
             results.append(await one_request(client, url, model, prompts[i % len(prompts)],
-                                             request_max_tokens(i, max_tokens, spread)))
+                                             request_max_tokens(i, max_tokens, spread), system))
 
     async with httpx.AsyncClient(timeout=None) as client:
         t0 = time.perf_counter()
@@ -101,14 +112,15 @@ async def run_level(url, model, prompts, concurrency, num_requests, max_tokens, 
     return results, wall
 
 
-def bench_level(url, model, prompts, concurrency, num_requests, max_tokens, spread=0.0) -> dict:
+def bench_level(url, model, prompts, concurrency, num_requests, max_tokens, spread=0.0, system=None) -> dict:
     before = scrape(url)
-    results, wall = asyncio.run(run_level(url, model, prompts, concurrency, num_requests, max_tokens, spread))
+    results, wall = asyncio.run(run_level(url, model, prompts, concurrency, num_requests, max_tokens, spread, system))
     after = scrape(url)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     steps = delta.get("specjax_decode_sequence_steps_total", 0.0)
     accepted = delta.get("specjax_spec_decode_num_accepted_tokens_total", 0.0)
     ks = {k.split('"')[1]: v for k, v in delta.items() if k.startswith("specjax_spec_decode_k_chosen_total") and v}
+    queried = delta.get("specjax_prefix_cache_queried_tokens", 0.0)
     ttft = [r["ttft"] for r in results]
     tpot = [r["tpot"] for r in results if r["tpot"] is not None]
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else None  # noqa: E731
@@ -116,7 +128,8 @@ def bench_level(url, model, prompts, concurrency, num_requests, max_tokens, spre
     return {"concurrency": concurrency, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
             "throughput_tok_s": tokens / wall, "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p90": pct(ttft, 90),
             "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p90": pct(tpot, 90),
-            "tau": (accepted + steps) / steps if steps else None, "k_steps": ks}
+            "tau": (accepted + steps) / steps if steps else None, "k_steps": ks,
+            "prefix_cache_hit_rate": delta.get("specjax_prefix_cache_hit_tokens", 0.0) / queried if queried else None}
 
 
 def summarize_rounds(rows: list[dict]) -> list[dict]:
@@ -129,7 +142,8 @@ def summarize_rounds(rows: list[dict]) -> list[dict]:
             for k, v in r["k_steps"].items():
                 steps[k] = steps.get(k, 0.0) + v
         med = {f: float(np.median([r[f] for r in rs if r[f] is not None])) if any(r[f] is not None for r in rs)
-               else None for f in ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "tau")}
+               else None for f in ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "tau",
+                                   "prefix_cache_hit_rate")}
         out.append({"method": key[0], "concurrency": key[1], "rounds": len(rs),
                     "requests": sum(r["requests"] for r in rs), "output_tokens": sum(r["output_tokens"] for r in rs),
                     "throughput_tok_s": float(np.mean([r["throughput_tok_s"] for r in rs])),

@@ -146,7 +146,10 @@ def serve_worker(args, method: str, conn) -> None:
     try:
         margs = copy.copy(args)
         margs.program_cache = engine_compile_cache(args)
-        margs.method = method
+        margs.method, _, option = method.partition(":")  # METHOD[:no-cache]: the same method without prefix caching
+        if option not in ("", "no-cache"):
+            raise ValueError(f"unknown method option {option!r} in {method!r} (METHOD or METHOD:no-cache)")
+        margs.prefix_caching = args.prefix_caching and option != "no-cache"
         app, service, _, name = build_server(margs)
     except Exception as e:  # noqa: BLE001 - the parent reports it with the method's name
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -199,7 +202,7 @@ def stop_servers(servers: dict) -> None:
 
 
 def cmd_bench_serve(args) -> int:
-    from specjax.bench.serving import bench_level, paired_speedups, plot_serving, summarize_rounds
+    from specjax.bench.serving import bench_level, paired_speedups, plot_serving, summarize_rounds, system_prompt
     from specjax.config import ConfigError
     from specjax.datasets import load_eval
 
@@ -211,6 +214,7 @@ def cmd_bench_serve(args) -> int:
     args.max_num_seqs = max(levels)
     prompts = [p.turns[0] for name in args.datasets.split(",")
                for p in load_eval(name, args.data_dir)[:args.num_prompts]]
+    system = system_prompt(args.system_prompt_tokens)
     methods = args.methods.split(",")
     rows = []
     # Every method serves from a process of its own (an engine's memory and caches never meet another's), all
@@ -219,30 +223,32 @@ def cmd_bench_serve(args) -> int:
     servers = start_servers(args, methods)
     try:
         for method, (_, _, url, name) in servers.items():
-            bench_level(url, name, prompts, 1, 1, 8)  # first request through the HTTP path (excluded)
+            bench_level(url, name, prompts, 1, 1, 8)  # first request through the HTTP path (excluded; no system prompt)
         for c in levels:
             for rnd in range(args.rounds):
                 for method in methods if rnd % 2 == 0 else methods[::-1]:
                     _, _, url, name = servers[method]
                     row = {"method": method, "round": rnd,
                            **bench_level(url, name, prompts, c, max(c, args.requests_per_level), args.max_tokens,
-                                         args.max_tokens_spread)}
+                                         args.max_tokens_spread, system)}
                     rows.append(row)
                     print(f"{method:>7} c={c:<3} round {rnd} {row['throughput_tok_s']:7.1f} tok/s  TTFT p50 "
                           f"{row['ttft_ms_p50']:7.0f} ms  TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} ms  "
-                          f"tau {row['tau'] or 0:.2f}  K {row['k_steps']}", file=sys.stderr, flush=True)
+                          f"tau {row['tau'] or 0:.2f}  K {row['k_steps']}  prefix hits "
+                          f"{row['prefix_cache_hit_rate'] or 0:.2f}", file=sys.stderr, flush=True)
     finally:
         stop_servers(servers)
     summary = sorted(summarize_rounds(rows), key=lambda r: (methods.index(r["method"]), r["concurrency"]))
-    paired_speedups(summary, rows, baseline="ar")
-    print("| method | concurrency | tok/s | speedup vs ar (paired rounds: min-max) | TTFT p50 / p90 ms "
+    baseline = "ar" if "ar" in methods else methods[0]
+    paired_speedups(summary, rows, baseline=baseline)
+    print(f"| method | concurrency | tok/s | speedup vs {baseline} (paired rounds: min-max) | TTFT p50 / p90 ms "
           "| TPOT p50 / p90 ms | tau | K used (steps) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in summary:
         sp = "-"
-        if r.get("speedup_vs_ar") is not None:
+        if r.get(f"speedup_vs_{baseline}") is not None:
             lo, hi = min(r["paired_speedups"]), max(r["paired_speedups"])
-            sp = f"{r['speedup_vs_ar']:.3f}x ({lo:.2f}-{hi:.2f})"
+            sp = f"{r[f'speedup_vs_{baseline}']:.3f}x ({lo:.2f}-{hi:.2f})"
         print(f"| {r['method']} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {sp} | "
               f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p90']:.0f} | "
               f"{r['tpot_ms_p50'] or 0:.1f} / {r['tpot_ms_p90'] or 0:.1f}"
@@ -252,6 +258,7 @@ def cmd_bench_serve(args) -> int:
                          "max_tokens_spread": args.max_tokens_spread,
                          "requests_per_level": args.requests_per_level, "datasets": args.datasets,
                          "rounds": args.rounds, "drafter": args.drafter, "adaptive_k": args.adaptive_k,
+                         "system_prompt_tokens": args.system_prompt_tokens,
                          "command": " ".join(sys.argv)}}
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
@@ -305,7 +312,10 @@ def register(sub) -> None:
 
     bs = sub.add_parser("bench-serve", help="serving benchmark: throughput / TTFT / TPOT / tau per concurrency")
     add_server_args(bs, warmup="all")  # benchmarks time steady steps
-    bs.add_argument("--methods", default="ar,dflash")
+    bs.add_argument("--methods", default="ar,dflash",
+                    help="comma-separated METHOD or METHOD:no-cache (the same method without prefix caching)")
+    bs.add_argument("--system-prompt-tokens", type=int, default=0,
+                    help="a shared system prompt of about this many tokens before every request (0 = none)")
     bs.add_argument("--concurrency", default="1,4,8,16,32")
     bs.add_argument("--requests-per-level", type=int, default=16)
     bs.add_argument("--max-tokens", type=int, default=64)
