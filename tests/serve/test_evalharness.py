@@ -1,12 +1,16 @@
 """lm-evaluation-harness against `specjax serve`, without the network: the generation task (chat completions) and the
 loglikelihood task (completions with echo and logprobs) over the first GSM8K test questions, served by plain decoding
-and by DFlash: the same answers, log-likelihoods and scores."""
+and by DFlash: the same answers, log-likelihoods and scores.  The harness runs in a process of its own, as a client
+does (it forks workers, which a process running JAX's threads must not)."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from specjax.bench.evalharness import GENERATION_TASK, LOGLIKELIHOOD_TASK, evaluate, write_tasks
+from specjax.bench.evalharness import GENERATION_TASK, LOGLIKELIHOOD_TASK, write_tasks
 from specjax.bench.serving import running
 from specjax.config import EngineConfig
 from specjax.datasets import default_data_dir
@@ -14,9 +18,18 @@ from specjax.llm import LLM
 from specjax.serve.api import create_app
 from specjax.serve.metrics import Metrics
 from specjax.serve.service import EngineService
-from tests.helpers import import_or_missing, missing
+from tests.helpers import cpu_env, import_or_missing, missing
 
 pytestmark = pytest.mark.slow
+
+
+def client(url: str, task: str, task_dir: str) -> dict:
+    code = ("import json, sys; from specjax.bench.evalharness import evaluate; "
+            "print(json.dumps(evaluate(*sys.argv[1:4], sys.argv[4], limit=2)))")
+    proc = subprocess.run([sys.executable, "-c", code, url, "tiny", task, task_dir], capture_output=True, text=True,
+                          timeout=600, env=cpu_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_lm_eval_scores_equal_with_and_without_speculation(tiny_dirs, tmp_path):
@@ -32,8 +45,7 @@ def test_lm_eval_scores_equal_with_and_without_speculation(tiny_dirs, tmp_path):
             max_model_len=512, page_size=16, max_num_seqs=2, prefill_chunk=128, adaptive_k=False), **kw)
         service = EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft)))
         with running(create_app(service, "tiny", default_max_tokens=16), service) as url:
-            results[method] = {task: evaluate(url, "tiny", task, str(tmp_path), limit=2)
-                               for task in (GENERATION_TASK, LOGLIKELIHOOD_TASK)}
+            results[method] = {task: client(url, task, str(tmp_path)) for task in (GENERATION_TASK, LOGLIKELIHOOD_TASK)}
         assert llm.engine.allocator.num_used == 0
     for task in (GENERATION_TASK, LOGLIKELIHOOD_TASK):
         ar, spec = results["ar"][task], results["dflash"][task]
