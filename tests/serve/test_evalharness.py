@@ -23,11 +23,12 @@ from tests.helpers import cpu_env, import_or_missing, missing
 pytestmark = pytest.mark.slow
 
 
-def client(url: str, task: str, task_dir: str) -> dict:
+def client(url: str, task_dir: str) -> dict:
+    """Both tasks against `url`, in one harness process -> {task: evaluate's result}."""
     code = ("import json, sys; from specjax.bench.evalharness import evaluate; "
-            "print(json.dumps(evaluate(*sys.argv[1:4], sys.argv[4], limit=2)))")
-    proc = subprocess.run([sys.executable, "-c", code, url, "tiny", task, task_dir], capture_output=True, text=True,
-                          timeout=600, env=cpu_env())
+            "print(json.dumps({t: evaluate(sys.argv[1], 'tiny', t, sys.argv[2], limit=2) for t in sys.argv[3:]}))")
+    proc = subprocess.run([sys.executable, "-c", code, url, task_dir, GENERATION_TASK, LOGLIKELIHOOD_TASK],
+                          capture_output=True, text=True, timeout=600, env=cpu_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -45,7 +46,7 @@ def test_lm_eval_scores_equal_with_and_without_speculation(tiny_dirs, tmp_path):
             max_model_len=512, page_size=16, max_num_seqs=2, prefill_chunk=128, adaptive_k=False), **kw)
         service = EngineService(llm.engine, llm.target.tokenizer, Metrics(max(1, llm.engine.num_draft)))
         with running(create_app(service, "tiny", default_max_tokens=16), service) as url:
-            results[method] = {task: client(url, task, str(tmp_path)) for task in (GENERATION_TASK, LOGLIKELIHOOD_TASK)}
+            results[method] = client(url, str(tmp_path))
         assert llm.engine.allocator.num_used == 0
     for task in (GENERATION_TASK, LOGLIKELIHOOD_TASK):
         ar, spec = results["ar"][task], results["dflash"][task]
