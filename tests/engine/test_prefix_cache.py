@@ -13,6 +13,7 @@ from specjax.drafter.eagle3 import Eagle3Params
 from specjax.drafter.eagle3_loader import eagle3_config_for, init_eagle3
 from specjax.drafter.loader import drafter_config_for, init_drafter
 from specjax.engine.engine import LLMEngine
+from specjax.kv.allocator import page_hashes
 from specjax.model.loader import load_model
 from specjax.sampling import SamplingParams
 from specjax.spec.proposer import DFlashProposer, Eagle3Proposer
@@ -94,10 +95,12 @@ def test_batched_requests_preemption_abort_and_eviction_leak_nothing(target):
     assert engine.num_preemptions > 0 and sum(engine.seqs[i].stats.cached_tokens for i in ids) > 0
     assert engine.allocator.num_used == 0 and engine.allocator.num_cached > 0
     # fill the pool with other prefixes: the cached pages are evicted, least recently used first
+    cached_before = len(engine.allocator.lookup(page_hashes(prompts[0], 8, 0, 4)))
     others = [random_prompt(RNG, 40) for _ in range(4)]
     engine.generate(others, params)
     engine.allocator.check()
     assert engine.allocator.num_used == 0
+    assert cached_before == 4 and len(engine.allocator.lookup(page_hashes(prompts[0], 8, 0, 4))) < 4
     [again] = engine.generate([prompts[0]], params)
     assert again.output_ids == want[0]
 

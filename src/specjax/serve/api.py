@@ -302,8 +302,6 @@ def create_app(service: EngineService | DataParallelService, model_name: str, de
         check_model(req.model)
         batch = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
             else [req.prompt]
-        if not batch:
-            raise OpenAIError("the prompt is empty", "prompt")
         if any(isinstance(p, str) for p in batch) and tokenizer is None:
             raise OpenAIError("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
         prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]

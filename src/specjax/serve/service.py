@@ -32,8 +32,7 @@ class Event:
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # in the request's last event
     logprobs: list | None = None  # engine/sequence.TokenLogprob of token_ids, when the request asked for them
 
 
@@ -258,7 +257,7 @@ class EngineService:
         if state.first_token is not None and state.completion_tokens > 1:
             self.metrics.tpot.observe((now - state.first_token) / (state.completion_tokens - 1))
         if emit:
-            self._emit(state, Event("", [], True, reason, len(state.prompt_ids), state.completion_tokens))
+            self._emit(state, Event("", [], True, reason, completion_tokens=state.completion_tokens))
 
     @staticmethod
     def _emit(state: RequestState, event: Event) -> None:
