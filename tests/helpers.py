@@ -206,15 +206,17 @@ def kernels_expected() -> bool:
             and os.environ.get("SPECJAX_KERNELS", "1") != "0")
 
 
-def native_kernels():
-    """specjax's registered CPU kernels (kernels.QuantKernels); skips where they cannot run, fails where they
-    should (a kernel that stops compiling must fail, not skip)."""
+def native_kernels(isa: str | None = None):
+    """specjax's registered CPU kernels (kernels.QuantKernels) of one build (`kernel_builds`; None: the one users
+    get); skips where they
+    cannot run, fails where they should (a kernel that stops compiling must fail, not skip)."""
     from specjax.kernels import quant_kernels
 
-    k = quant_kernels()
+    k = quant_kernels(isa)
     if k is None:
         if kernels_expected():
-            pytest.fail("the CPU kernels did not build on a CPU with AVX-512F or AVX2 + FMA and a C++ compiler")
+            pytest.fail(f"the quantized CPU kernels ({isa or 'default'} build) did not build on a CPU with AVX-512F or "
+                        "AVX2 + FMA and a C++ compiler (the logged warning says why)")
         pytest.skip("this machine has neither AVX-512F nor AVX2 + FMA, or no C++ compiler")
     return k
 
@@ -324,3 +326,17 @@ def toy_store(path: str, num: int, length: int, vocab: int, prompt_len: int, see
     for i in range(num):
         store.append(f"s{i}", "toy", rng.integers(0, vocab, length), prompt_len, "length")
     return store
+
+
+def run_cli(args: list[str], ok: bool = True):
+    """`specjax ARGS` in a fresh process, as a user runs it -> (stdout, stderr).  (The suite's own process used to
+    segfault compiling a train step after ~140 tests: every compiled program holds a few memory mappings and the
+    suite neared the kernel's 65,530 limit; conftest.py now drops compiled programs after each test file, and
+    these CLI tests keep their own process as users run them.)"""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "specjax.cli", *args], capture_output=True, text=True, timeout=600,
+                          env=cpu_env())
+    assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
+    return proc.stdout, proc.stderr

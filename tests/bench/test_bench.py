@@ -87,7 +87,7 @@ def test_bench_serve_cli_on_a_tiny_model(tiny_dirs, tmp_path):
     d = "dflash:no-cache"  # DFlash without prefix caching, beside plain decoding with it
     assert set(rows) == {("ar", 1), ("ar", 4), (d, 1), (d, 4)}
     assert all(r["rounds"] == 2 and r["requests"] == 8 and r["output_tokens"] == 64 for r in rows.values())
-    # both servers live at once; per level the order alternates round by round
+    # both servers live at once (each one runs only while it is measured); per level the order alternates
     order = [(r["method"], r["concurrency"], r["round"]) for r in record["rounds"]]
     assert order == [("ar", 1, 0), (d, 1, 0), (d, 1, 1), ("ar", 1, 1),
                      ("ar", 4, 0), (d, 4, 0), (d, 4, 1), ("ar", 4, 1)]
@@ -100,6 +100,46 @@ def test_bench_serve_cli_on_a_tiny_model(tiny_dirs, tmp_path):
     assert record["config"]["system_prompt_tokens"] == 64
     assert (out / "bench_serve.png").exists()
     assert f"| {d} | 4 |" in proc.stdout
+
+
+def test_only_the_measured_server_runs():
+    """bench-serve's servers share the machine: the ones not measured are stopped (SIGSTOP), not merely idle."""
+    import subprocess
+    import time
+
+    from specjax.cli.serve import take_turn
+
+    class Proc:  # the part of multiprocessing.Process that take_turn uses
+        def __init__(self):
+            self.popen = subprocess.Popen(["sleep", "60"])
+            self.pid = self.popen.pid
+
+        def is_alive(self):
+            return self.popen.poll() is None
+
+    def state(p) -> str:  # /proc/PID/stat's third field: T = stopped
+        for _ in range(100):
+            s = open(f"/proc/{p.pid}/stat").read().split()[2]
+            if s in "TRS":
+                return s
+            time.sleep(0.01)
+        return s
+
+    servers = {m: (Proc(), None, None, None) for m in ("ar", "dflash", "ngram")}
+    try:
+        take_turn(servers, "dflash")
+        time.sleep(0.1)
+        assert {m: state(p) for m, (p, *_) in servers.items()} == {"ar": "T", "dflash": "S", "ngram": "T"}
+        take_turn(servers, "ar")
+        time.sleep(0.1)
+        assert {m: state(p) for m, (p, *_) in servers.items()} == {"ar": "S", "dflash": "T", "ngram": "T"}
+        take_turn(servers, None)  # what stop_servers does first: a stopped server cannot read "stop"
+        time.sleep(0.1)
+        assert {state(p) for p, *_ in servers.values()} == {"S"}
+    finally:
+        for p, *_ in servers.values():
+            p.popen.kill()
+            p.popen.wait()
 
 
 def test_bench_serve_names_the_server_that_cannot_start(tiny_dirs, tmp_path):

@@ -383,3 +383,21 @@ def test_n_samples_share_the_prompts_pages_and_follow_their_seeds(server, refere
     metrics = httpx.get(url + "/metrics").text
     assert "specjax_prefix_cache_hit_rate" in metrics and "specjax_prefix_cache_pages" in metrics
     assert service.engine.allocator.num_used == 0
+
+
+def test_a_replayed_chat_hits_the_cache_and_a_soak_leaves_no_page_owned(server):
+    """bench-serve --chat-turns: every turn resends the history, so at least the previous turn's full prompt pages
+    come from the cache; the soak's last sample, taken after every request, finds no page owned by a request."""
+    from specjax.bench.chat_replay import bench_chat_level, questions_of
+
+    url, service = server
+    prompts = ["Name a colour.", "And a fruit?", "Why?", "Count to three."]
+    assert questions_of(prompts, 1, 3) == ["(conversation 1) Count to three.", "Name a colour.", "And a fruit?"]
+    row = bench_chat_level(url, MODEL, prompts, 2, 3, 8, None, service.engine.config.page_size)
+    assert row["requests"] == 6 and row["conversations"] == 2 and row["output_tokens"] == 48
+    assert 0.3 < row["prefix_cache_floor_hit_rate"] <= row["prefix_cache_hit_rate"]
+    row = bench_chat_level(url, MODEL, prompts, 2, 2, 4, None, service.engine.config.page_size, soak_s=1.0)
+    soak = row["soak"]
+    assert row["conversations"] >= 2 and len(soak["samples"]) >= 2 and soak["seconds"] >= 1.0
+    assert soak["pages_in_use_end"] == 0 and soak["cached_pages_end"] > 0 and soak["resident_mib_end"] > 0
+    service.engine.allocator.check()

@@ -168,21 +168,36 @@ def test_noisy_oracle_exercises_every_accept_length_and_stays_lossless(setup, ar
     assert seen >= {1, 2, 3, 6}, seen
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, max_new_tokens=30, seed=123),
-                                    SamplingParams(temperature=1.3, top_p=0.85, top_k=20, max_new_tokens=30, seed=7)])
-def test_seeded_sampling_equals_plain_sampling(setup, params):
-    """With a fixed seed, speculative sampling commits exactly the tokens plain sampling draws."""
+# One batch, every row its own seed and sampling parameters, a greedy row among them: the batch runs the filtered
+# sampler variant, each row under its own transform.
+MIXED = [SamplingParams(temperature=0.8, max_new_tokens=30, seed=123),
+         SamplingParams(temperature=1.3, top_p=0.85, top_k=20, max_new_tokens=30, seed=7),
+         SamplingParams(max_new_tokens=30, ignore_eos=True),
+         SamplingParams(temperature=1.0, top_k=5, max_new_tokens=30, seed=99),
+         SamplingParams(temperature=0.5, top_p=0.5, max_new_tokens=30, seed=2026)]
+# Temperature only (the unfiltered sampler variant, OpenAI's default request), a temperature and seed per row.
+UNFILTERED = [SamplingParams(temperature=t, max_new_tokens=30, seed=s)
+              for t, s in zip([0.8, 1.0, 1.3, 0.6, 1.1], [123, 5, 77, 2026, 31])]
+
+
+def test_seeded_sampling_equals_plain_sampling(setup):
+    """With fixed seeds, speculative sampling commits exactly the tokens plain sampling draws, row by row, whatever
+    the drafts: DFlash's, prompt lookup's, and a noisy oracle's that are often right (long accepted runs)."""
     target, dcfg, dweights, prompts = setup
-    ar, _ = run(target, NoProposer(), None, prompts, params, big_pool())
-    spec, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params, big_pool(4))
-    assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
-    lookup, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, params,
+    plain = {}
+    for name, params in (("mixed", MIXED), ("unfiltered", UNFILTERED)):
+        seqs, _ = run(target, NoProposer(), None, prompts, params, big_pool())
+        plain[name] = [s.output_ids for s in seqs]
+        assert len({tuple(p) for p in plain[name]}) == len(prompts)
+        oracle = NoisyOracle(prompts, plain[name], k=6)
+        noisy, _ = run(target, oracle, None, prompts, params, big_pool(4))
+        assert [s.output_ids for s in noisy] == plain[name], name
+        assert max(max(s.stats.acceptance_lengths) for s in noisy) >= 4
+    spec, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, MIXED, big_pool(4))
+    assert [s.output_ids for s in spec] == plain["mixed"]
+    lookup, _ = run(target, DFlashProposer(dcfg, 8), dweights, prompts, MIXED,
                     dataclasses.replace(big_pool(4), lookup_min_match=1))  # any draft is verified the same way
-    assert [s.output_ids for s in lookup] == [s.output_ids for s in ar] and any(s.stats.lookup_steps for s in lookup)
-    oracle = NoisyOracle(prompts, [s.output_ids for s in ar], k=6)
-    noisy, _ = run(target, oracle, None, prompts, params, big_pool(4))
-    assert [s.output_ids for s in noisy] == [s.output_ids for s in ar]
-    assert max(max(s.stats.acceptance_lengths) for s in noisy) >= 4
+    assert [s.output_ids for s in lookup] == plain["mixed"] and any(s.stats.lookup_steps for s in lookup)
 
 
 @pytest.mark.parametrize("adaptive", [False, True])

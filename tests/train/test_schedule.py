@@ -20,8 +20,7 @@ from specjax.train.methods import DFlashMethod
 from specjax.train.optimizer import make_optimizer, time_scale, train_step
 from specjax.train.store import TokenStore
 from specjax.train.trainer import train_drafter
-from tests.helpers import toy_store
-from tests.train.test_store_and_regen import run_cli
+from tests.helpers import run_cli, toy_store
 
 
 def test_time_scale_warms_up_then_follows_the_cosine_to_zero():

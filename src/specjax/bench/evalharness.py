@@ -98,7 +98,8 @@ def evaluate(url: str, model_name: str, task: str, task_dir: str, limit: int | N
     out = lm_eval.simple_evaluate(
         model=model, model_args=f"model={model_name},base_url={url}{endpoint},num_concurrent=1,max_retries=1,"
                                 f"max_length={max_length},{extra}",
-        tasks=[task], task_manager=TaskManager(include_path=task_dir), limit=limit, log_samples=True,
+        tasks=[task], limit=limit, log_samples=True,
+        task_manager=TaskManager(include_path=task_dir, include_defaults=False),  # our tasks only: 12 s less to index
         apply_chat_template=task == GENERATION_TASK, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
         fewshot_random_seed=0)
     wall = time.perf_counter() - t0

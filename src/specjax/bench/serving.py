@@ -45,7 +45,7 @@ def running(app, service):
 def scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in httpx.get(url + "/metrics").text.splitlines():
-        m = re.match(r"^(specjax_[a-z_]+(?:_total)?)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        m = re.match(r"^(specjax_[a-z_]+(?:_total)?|process_resident_memory_bytes)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
         if m:
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
@@ -61,28 +61,38 @@ def system_prompt(num_tokens: int) -> str | None:
     return "You are a careful assistant.\n" + "\n".join(rules)
 
 
-async def one_request(client, url, model, prompt, max_tokens, system=None):
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "return_token_ids": True, "ignore_eos": True}
+def chat_messages(prompt: str, system: str | None = None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+async def one_request(client, url, model, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed greedy chat request -> its TTFT, TPOT, output tokens, prompt tokens and answer text."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True, "ignore_eos": True}
     t0 = time.perf_counter()
     first = last = None
-    n = 0
+    n = prompt_tokens = 0
+    text = []
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"request failed with {r.status_code}: {(await r.aread()).decode()[:300]}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choices = json.loads(line[6:])["choices"]
-            ids = choices[0].get("token_ids") if choices else None
+            event = json.loads(line[6:])
+            prompt_tokens = (event.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+            choices = event["choices"]
+            if not choices:
+                continue
+            text.append((choices[0].get("delta") or {}).get("content") or "")
+            ids = choices[0].get("token_ids")
             if ids:
                 now = time.perf_counter()
                 first = first or now
                 last = now
                 n += len(ids)
-    return {"ttft": (first or time.perf_counter()) - t0, "tokens": n,
-            "tpot": (last - first) / (n - 1) if n > 1 else None}
+    return {"ttft": (first or time.perf_counter()) - t0, "tokens": n, "prompt_tokens": prompt_tokens,
+            "tpot": (last - first) / (n - 1) if n > 1 else None, "text": "".join(text)}
 
 
 def request_max_tokens(i: int, max_tokens: int, spread: float) -> int:
@@ -102,8 +112,8 @@ async def run_level(url, model, prompts, concurrency, num_requests, max_tokens, 
     async def worker(client):
         while queue:
             i = queue.pop()
-            results.append(await one_request(client, url, model, prompts[i % len(prompts)],
-                                             request_max_tokens(i, max_tokens, spread), system))
+            results.append(await one_request(client, url, model, chat_messages(prompts[i % len(prompts)], system),
+                                             request_max_tokens(i, max_tokens, spread)))
 
     async with httpx.AsyncClient(timeout=None) as client:
         t0 = time.perf_counter()
@@ -115,7 +125,12 @@ async def run_level(url, model, prompts, concurrency, num_requests, max_tokens, 
 def bench_level(url, model, prompts, concurrency, num_requests, max_tokens, spread=0.0, system=None) -> dict:
     before = scrape(url)
     results, wall = asyncio.run(run_level(url, model, prompts, concurrency, num_requests, max_tokens, spread, system))
-    after = scrape(url)
+    return level_row(concurrency, results, wall, before, scrape(url))
+
+
+def level_row(concurrency: int, results: list[dict], wall: float, before: dict, after: dict) -> dict:
+    """A level's row: throughput, latency percentiles, and from the server's counters (before -> after) tau, the
+    K chosen per step and the prefix cache's hit rate."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     steps = delta.get("specjax_decode_sequence_steps_total", 0.0)
     accepted = delta.get("specjax_spec_decode_num_accepted_tokens_total", 0.0)
@@ -141,9 +156,10 @@ def summarize_rounds(rows: list[dict]) -> list[dict]:
         for r in rs:
             for k, v in r["k_steps"].items():
                 steps[k] = steps.get(k, 0.0) + v
-        med = {f: float(np.median([r[f] for r in rs if r[f] is not None])) if any(r[f] is not None for r in rs)
-               else None for f in ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "tau",
-                                   "prefix_cache_hit_rate")}
+        med = {f: float(np.median([r[f] for r in rs if r.get(f) is not None]))
+               if any(r.get(f) is not None for r in rs) else None
+               for f in ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "tau", "prefix_cache_hit_rate",
+                         "prefix_cache_floor_hit_rate")}
         out.append({"method": key[0], "concurrency": key[1], "rounds": len(rs),
                     "requests": sum(r["requests"] for r in rs), "output_tokens": sum(r["output_tokens"] for r in rs),
                     "throughput_tok_s": float(np.mean([r["throughput_tok_s"] for r in rs])),

@@ -175,6 +175,7 @@ def start_servers(args, methods: list[str]) -> dict:
             proc = ctx.Process(target=serve_worker, args=(args, method, child), daemon=True)
             proc.start()
             servers[method] = (proc, conn, None, None)
+            take_turn(servers, method)  # the servers already up wait stopped while this one compiles
             while not conn.poll(1.0):
                 if not proc.is_alive():
                     raise ConfigError(f"the {method} server exited with code {proc.exitcode} before serving")
@@ -189,7 +190,22 @@ def start_servers(args, methods: list[str]) -> dict:
     return servers
 
 
+def take_turn(servers: dict, method: str | None) -> None:
+    """Let `method`'s server run and stop every other one (SIGSTOP: an idle server's threads, its timers and
+    anything it still compiles take no CPU while another is measured); None resumes all.  Two servers on two
+    cores disturb each other otherwise: plain decoding's TPOT at one client read 13 ms beside an idle DFlash
+    server against 6 ms alone (2026-12-07, AMD Zen 4)."""
+    import signal
+
+    if not hasattr(signal, "SIGSTOP"):  # no job control (Windows): the servers share the machine
+        return
+    for m, (proc, *_) in servers.items():
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGCONT if method is None or m == method else signal.SIGSTOP)
+
+
 def stop_servers(servers: dict) -> None:
+    take_turn(servers, None)  # a stopped process cannot read "stop"
     for proc, conn, _, _ in servers.values():
         try:
             conn.send("stop")
@@ -202,12 +218,18 @@ def stop_servers(servers: dict) -> None:
 
 
 def cmd_bench_serve(args) -> int:
+    from specjax.bench.chat_replay import bench_chat_level
     from specjax.bench.serving import bench_level, paired_speedups, plot_serving, summarize_rounds, system_prompt
     from specjax.config import ConfigError
     from specjax.datasets import load_eval
 
     if args.rounds < 1:
         raise ConfigError(f"--rounds must be >= 1, got {args.rounds}")
+    if args.chat_turns < 0 or args.soak_seconds < 0:
+        raise ConfigError(f"--chat-turns and --soak-seconds must be >= 0, got {args.chat_turns} and "
+                          f"{args.soak_seconds}")
+    if args.soak_seconds and not args.chat_turns:
+        raise ConfigError("--soak-seconds replays chats: give --chat-turns too")
     if not 0 <= args.max_tokens_spread < 1:
         raise ConfigError(f"--max-tokens-spread must be in [0, 1), got {args.max_tokens_spread}")
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -219,23 +241,30 @@ def cmd_bench_serve(args) -> int:
     rows = []
     # Every method serves from a process of its own (an engine's memory and caches never meet another's), all
     # alive at once, so the methods take turns level by level: within a level the order alternates round by
-    # round (ar, dflash, dflash, ar, ...) and every method meets the machine in the same state of drift.
+    # round (ar, dflash, dflash, ar, ...) and every method meets the machine in the same state of drift.  Only
+    # the server being measured runs; the others are stopped (take_turn).
     servers = start_servers(args, methods)
     try:
         for method, (_, _, url, name) in servers.items():
+            take_turn(servers, method)
             bench_level(url, name, prompts, 1, 1, 8)  # first request through the HTTP path (excluded; no system prompt)
         for c in levels:
             for rnd in range(args.rounds):
                 for method in methods if rnd % 2 == 0 else methods[::-1]:
+                    take_turn(servers, method)
                     _, _, url, name = servers[method]
-                    row = {"method": method, "round": rnd,
-                           **bench_level(url, name, prompts, c, max(c, args.requests_per_level), args.max_tokens,
-                                         args.max_tokens_spread, system)}
+                    if args.chat_turns:  # each client replays conversations, the whole history every turn
+                        level = bench_chat_level(url, name, prompts, c, args.chat_turns, args.max_tokens, system,
+                                                 args.page_size, args.soak_seconds)
+                    else:
+                        level = bench_level(url, name, prompts, c, max(c, args.requests_per_level), args.max_tokens,
+                                            args.max_tokens_spread, system)
+                    row = {"method": method, "round": rnd, **level}
                     rows.append(row)
                     print(f"{method:>7} c={c:<3} round {rnd} {row['throughput_tok_s']:7.1f} tok/s  TTFT p50 "
                           f"{row['ttft_ms_p50']:7.0f} ms  TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} ms  "
                           f"tau {row['tau'] or 0:.2f}  K {row['k_steps']}  prefix hits "
-                          f"{row['prefix_cache_hit_rate'] or 0:.2f}", file=sys.stderr, flush=True)
+                          f"{row['prefix_cache_hit_rate'] or 0:.2f}" + chat_line(row), file=sys.stderr, flush=True)
     finally:
         stop_servers(servers)
     summary = sorted(summarize_rounds(rows), key=lambda r: (methods.index(r["method"]), r["concurrency"]))
@@ -258,7 +287,8 @@ def cmd_bench_serve(args) -> int:
                          "max_tokens_spread": args.max_tokens_spread,
                          "requests_per_level": args.requests_per_level, "datasets": args.datasets,
                          "rounds": args.rounds, "drafter": args.drafter, "adaptive_k": args.adaptive_k,
-                         "system_prompt_tokens": args.system_prompt_tokens,
+                         "system_prompt_tokens": args.system_prompt_tokens, "chat_turns": args.chat_turns,
+                         "soak_seconds": args.soak_seconds,
                          "command": " ".join(sys.argv)}}
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
@@ -267,6 +297,19 @@ def cmd_bench_serve(args) -> int:
         plot_serving(summary, os.path.join(args.out_dir, "bench_serve.png"))
     print(json.dumps({f"{r['method']}@{r['concurrency']}": round(r["throughput_tok_s"], 2) for r in summary}))
     return 0
+
+
+def chat_line(row: dict) -> str:
+    """The multi-turn and soak part of a bench-serve progress line ("" for single-turn levels)."""
+    if "turns" not in row:
+        return ""
+    line = f" (floor {row['prefix_cache_floor_hit_rate']:.2f}, {row['conversations']} conversations)"
+    soak = row.get("soak")
+    if soak:
+        line += (f"  resident {soak['resident_mib_after_settle']:.0f} MiB after 60 s, {soak['resident_mib_end']:.0f}"
+                 f" MiB at the end ({soak['resident_mib_max_after_settle']:.0f} max); pages owned at the end "
+                 f"{soak['pages_in_use_end']:.0f}, cached {soak['cached_pages_end']:.0f}")
+    return line
 
 
 def add_server_args(p: argparse.ArgumentParser, warmup: str) -> None:
@@ -316,6 +359,14 @@ def register(sub) -> None:
                     help="comma-separated METHOD or METHOD:no-cache (the same method without prefix caching)")
     bs.add_argument("--system-prompt-tokens", type=int, default=0,
                     help="a shared system prompt of about this many tokens before every request (0 = none)")
+    bs.add_argument("--chat-turns", type=int, default=0,
+                    help="each client replays conversations of this many turns, sending the whole history (its "
+                         "questions and the server's answers) every turn; a level runs one conversation per client "
+                         "and reports the prefix cache's hit rate beside the floor it should reach (0 = single-turn "
+                         "requests, --requests-per-level of them)")
+    bs.add_argument("--soak-seconds", type=float, default=0.0,
+                    help="with --chat-turns: clients start new conversations until this many seconds have passed, "
+                         "and the server's resident memory and KV pages are sampled every 5 s (leaks, growth)")
     bs.add_argument("--concurrency", default="1,4,8,16,32")
     bs.add_argument("--requests-per-level", type=int, default=16)
     bs.add_argument("--max-tokens", type=int, default=64)
