@@ -14,8 +14,8 @@ UNOPTIMIZED_WORKER = "gw1"
 # DFlash on SmolLM2's int8 kernels once parted from plain decoding (a K/V row rounded twice to float16, fixed in
 # 7b098e3, 2026-12-07; docs/architecture.md).
 PRODUCTION_FILES = frozenset({
-    "tests/spec/test_lossless.py", "tests/test_smollm.py", "tests/model/test_quant.py",
-    "tests/model/test_quant_models.py", "tests/model/test_argmax.py",
+    "tests/spec/test_lossless.py", "tests/spec/test_check_lossless.py", "tests/test_smollm.py",
+    "tests/model/test_quant.py", "tests/model/test_quant_models.py", "tests/model/test_argmax.py",
     "tests/parallel/test_smollm_tensor_parallel.py", "tests/parallel/test_tensor_parallel.py",
     "tests/drafter/test_eagle3.py", "tests/drafter/test_extensions.py", "tests/engine/test_adaptive.py",
     "tests/serve/test_server.py"})

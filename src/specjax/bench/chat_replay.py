@@ -86,7 +86,8 @@ async def scrape_async(client, url: str) -> dict[str, float]:
 def memory_sample(metrics: dict[str, float]) -> dict:
     return {"resident_bytes": metrics.get("process_resident_memory_bytes", 0.0),
             "pages_in_use": metrics.get("specjax_kv_pages_in_use", 0.0),
-            "cached_pages": metrics.get("specjax_prefix_cache_pages", 0.0)}
+            "cached_pages": metrics.get("specjax_prefix_cache_pages", 0.0),
+            "total_pages": metrics.get("specjax_kv_pages_total", 0.0)}
 
 
 def bench_chat_level(url, model, prompts, concurrency, turns, max_tokens, system, page_size, soak_s=0.0) -> dict:
@@ -107,11 +108,18 @@ def bench_chat_level(url, model, prompts, concurrency, turns, max_tokens, system
 
 def soak_summary(samples: list[dict], settle_s: float = 60.0) -> dict:
     """Resident memory after the first `settle_s` seconds (the first sample from then on) and at the end, its
-    largest value after settling, and the KV pages still owned once every request is done (the last sample)."""
+    largest value after settling, and the KV pages still owned once every request is done (the last sample).  The
+    KV pool becomes resident as its pages are first written (hostmem.release_zero_pages), so until every page has
+    held a request or a cached prefix the process grows by design: `resident_mib_pool_written` is the first sample
+    where pages owned + cached reach the pool, and growth is measured from there."""
     settled = [s for s in samples if s["t_s"] >= settle_s] or samples[-1:]
+    full = next((s for s in samples if s["total_pages"] and s["pages_in_use"] + s["cached_pages"] >= s["total_pages"]),
+                None)
     mib = 2.0 ** 20
     return {"seconds": samples[-1]["t_s"], "samples": samples,
             "resident_mib_after_settle": settled[0]["resident_bytes"] / mib,
             "resident_mib_end": samples[-1]["resident_bytes"] / mib,
             "resident_mib_max_after_settle": max(s["resident_bytes"] for s in settled) / mib,
+            "pool_written_at_s": full["t_s"] if full else None,
+            "resident_mib_pool_written": full["resident_bytes"] / mib if full else None,
             "pages_in_use_end": samples[-1]["pages_in_use"], "cached_pages_end": samples[-1]["cached_pages"]}

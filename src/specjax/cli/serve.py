@@ -307,8 +307,11 @@ def chat_line(row: dict) -> str:
     soak = row.get("soak")
     if soak:
         line += (f"  resident {soak['resident_mib_after_settle']:.0f} MiB after 60 s, {soak['resident_mib_end']:.0f}"
-                 f" MiB at the end ({soak['resident_mib_max_after_settle']:.0f} max); pages owned at the end "
-                 f"{soak['pages_in_use_end']:.0f}, cached {soak['cached_pages_end']:.0f}")
+                 f" MiB at the end ({soak['resident_mib_max_after_settle']:.0f} max)")
+        if soak["pool_written_at_s"] is not None:
+            line += (f", {soak['resident_mib_pool_written']:.0f} MiB once every KV page was written "
+                     f"({soak['pool_written_at_s']:.0f} s)")
+        line += f"; pages owned at the end {soak['pages_in_use_end']:.0f}, cached {soak['cached_pages_end']:.0f}"
     return line
 
 
