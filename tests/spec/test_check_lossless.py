@@ -1,5 +1,5 @@
 """`specjax check-lossless` (bench/lossless.py): the two-sample test keeps its false-alarm rate under the null,
-sees a difference of the size it says it detects, passes DFlash on a tiny target with 20,000 samples a run, and
+sees a difference of the size it says it detects, passes DFlash on a tiny target with 10,000 samples a run, and
 fails the same drafter when the engine verifies its drafts with a wrong acceptance rule."""
 
 import dataclasses
@@ -93,26 +93,27 @@ def engines(tiny):
                       dataclasses.replace(config, num_draft_tokens=3)))
 
 
-PROMPT, POSITIONS, T, TOP_P = [3, 1, 4, 1, 5], 4, 0.9, 0.95
+PROMPT, POSITIONS, T, TOP_P, SAMPLES = [3, 1, 4, 1, 5], 4, 0.9, 0.95, 10000
 
 
 @pytest.mark.slow
 def test_dflash_passes_and_a_wrong_acceptance_rule_fails(tiny, monkeypatch):
-    """20,000 completions a run, distinct seeds per request and per run: DFlash passes with every depth's
-    detectable TV under 0.05; the same drafter verified by a rule that also accepts plausible drafts fails (its
-    drafts are accepted 5% of the time instead of 2%, and the second token's TV grows to ~0.13)."""
+    """10,000 completions a run, distinct seeds per request and per run: DFlash passes with every depth's
+    detectable TV under 0.07 (20,000 a run: under 0.05, measured 2026-12-07; halved for the suite's time); the same
+    drafter verified by a rule that also accepts plausible drafts fails (its drafts are accepted 5% of the time
+    instead of 2%, and the second token's TV grows to ~0.13)."""
     plain, spec = engines(tiny)
     sampling = dict(temperature=T, top_p=TOP_P)
-    want, _ = draw(plain, PROMPT, 20000, 0, POSITIONS, **sampling)
-    got, counts = draw(spec, PROMPT, 20000, 20000, POSITIONS, **sampling)
-    assert counts["accepted"] > 500 and counts["drafted"] > 20 * counts["accepted"]  # both paths, often
+    want, _ = draw(plain, PROMPT, SAMPLES, 0, POSITIONS, **sampling)
+    got, counts = draw(spec, PROMPT, SAMPLES, SAMPLES, POSITIONS, **sampling)
+    assert counts["accepted"] > 200 and counts["drafted"] > 20 * counts["accepted"]  # both paths, often
     report = compare(want, got)
     assert report["passed"], report["depths"]
-    assert all(d["detectable_tv"] < 0.05 for d in report["depths"]) and report["depths"][-1]["cells"] > 20
+    assert all(d["detectable_tv"] < 0.07 for d in report["depths"]) and report["depths"][-1]["cells"] > 20
     monkeypatch.setattr("specjax.engine.runner.accept", wrong_accept)
     jax.clear_caches()  # jit's traces of the step functions saw the right rule
     _, spec = engines(tiny)
-    biased, _ = draw(spec, PROMPT, 5000, 40000, POSITIONS, **sampling)  # its bias is large: 5,000 find it
+    biased, _ = draw(spec, PROMPT, 4000, 2 * SAMPLES, POSITIONS, **sampling)  # its bias is large: 4,000 find it
     report = compare(want, biased)
     assert not report["passed"] and report["depths"][0]["passed"]  # the first token is the prefill's: no drafts
     assert any(d["tv"] > 1.5 * d["detectable_tv"] for d in report["depths"])  # well beyond what it promises
