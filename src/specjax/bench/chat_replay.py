@@ -13,6 +13,7 @@ page may stay owned (pages either free or kept for the cache)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import httpx
@@ -51,7 +52,7 @@ async def replay(url, model, prompts, clients, turns, max_tokens, system, page_s
     results: list[dict] = []
     samples: list[dict] = []
     started = time.perf_counter()
-    numbers = iter(range(10 ** 9))
+    numbers = itertools.count()
 
     async def client_loop(client):
         while True:
@@ -61,9 +62,10 @@ async def replay(url, model, prompts, clients, turns, max_tokens, system, page_s
             if time.perf_counter() - started >= soak_s:
                 return
 
-    async def sampler(client, done: asyncio.Event):
+    async def sampler(done: asyncio.Event):
         while not done.is_set():
-            samples.append({"t_s": time.perf_counter() - started, **memory_sample(await scrape_async(client, url))})
+            metrics = await asyncio.to_thread(scrape, url)
+            samples.append({"t_s": time.perf_counter() - started, **memory_sample(metrics)})
             try:
                 await asyncio.wait_for(done.wait(), SAMPLE_EVERY_S)
             except TimeoutError:
@@ -71,16 +73,12 @@ async def replay(url, model, prompts, clients, turns, max_tokens, system, page_s
 
     async with httpx.AsyncClient(timeout=None) as client:
         done = asyncio.Event()
-        watcher = asyncio.create_task(sampler(client, done))
+        watcher = asyncio.create_task(sampler(done))
         await asyncio.gather(*[client_loop(client) for _ in range(clients)])
         wall = time.perf_counter() - started
         done.set()
         await watcher
     return results, wall, samples
-
-
-async def scrape_async(client, url: str) -> dict[str, float]:
-    return await asyncio.to_thread(scrape, url)
 
 
 def memory_sample(metrics: dict[str, float]) -> dict:
